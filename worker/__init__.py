@@ -1,0 +1,1 @@
+"""The worker: loads the model once and serves generation requests through the engine."""

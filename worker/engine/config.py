@@ -1,0 +1,29 @@
+"""Engine settings: batch limits, KV-cache pool size and prefix caching."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 16               # sequences in one batch (slots)
+    max_num_batched_tokens: int = 512    # tokens in one forward pass: decodes first, then prefill chunks
+    block_size: int = 16                 # tokens per KV-cache block
+    num_blocks: int | None = None        # KV pool size; None sizes it from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+    max_model_len: int | None = None     # None: the model's own context length
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineConfig.{name} must be a positive integer; got {value!r}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"EngineConfig.num_blocks must be positive; got {self.num_blocks}")
+        if self.kv_cache_memory_gib <= 0:
+            raise ValueError(f"EngineConfig.kv_cache_memory_gib must be positive; got {self.kv_cache_memory_gib}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("EngineConfig.max_num_batched_tokens must be at least max_num_seqs, "
+                             "or some running sequences could never decode")

@@ -1,0 +1,290 @@
+"""The engine: submit requests, step the batch, stream events; thread-safe around one loop thread."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterator
+
+from .block_manager import BlockManager
+from .config import EngineConfig
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, context_length
+from .outputs import EngineStats, Event, RequestFinished, TokenDelta
+from .sampler import Sampler, make_generator
+from .sampling_params import SamplingParams
+from .scheduler import Batch, Scheduler
+from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as given; the message says what to change."""
+
+
+class RequestStream:
+    """Events of one request, in order; iterating ends after the final RequestFinished."""
+
+    def __init__(self, engine: LLMEngine, request_id: str) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.events: queue.Queue[Event] = queue.Queue()
+
+    def __iter__(self) -> Iterator[Event]:
+        while True:
+            event = self.events.get()
+            yield event
+            if event.finished:
+                return
+
+    def cancel(self) -> None:
+        self.engine.abort(self.request_id)
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer, config: EngineConfig | None = None) -> None:
+        self.config = config or EngineConfig()
+        self.config.validate()
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, self.config)
+        self.device = self.runner.device
+        self.max_model_len = min(self.config.max_model_len or context_length(model), context_length(model))
+        self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.blocks)
+        self.sampler = Sampler()
+        self.eos_ids = self._eos_ids(model, tokenizer)
+        self.seqs: dict[str, Sequence] = {}
+        self.steps = 0
+        self.last_batch = (0, 0)
+        # Threaded mode: other threads only touch these, under the lock; the loop thread drains them.
+        self._lock = threading.Condition()
+        self._inbox: list[Sequence] = []
+        self._aborts: list[str] = []
+        self._streams: dict[str, RequestStream] = {}
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+
+    @staticmethod
+    def _eos_ids(model, tokenizer) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(model, "generation_config", None)
+        for value in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(value)
+        return ids
+
+    # ---- building requests -------------------------------------------------------------------
+
+    def render_chat(self, messages: list[dict]) -> list[int]:
+        """Chat messages -> prompt token ids through the tokenizer's chat template."""
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("messages must be a non-empty list of {role, content} objects.")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+    def make_sequence(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                      messages: list[dict] | None = None, params: SamplingParams | None = None,
+                      arrival_time: float | None = None) -> Sequence:
+        """Validate a request and build its state; raises InvalidRequestError or InvalidParamsError."""
+        params = params or SamplingParams()
+        params.validate()
+        if (prompt_token_ids is None) == (messages is None):
+            raise InvalidRequestError("Give exactly one of prompt_token_ids or messages.")
+        ids = self.render_chat(messages) if messages is not None else list(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError("The prompt is empty; send at least one token or message.")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"The prompt is {len(ids)} tokens but the model's context holds {self.max_model_len} "
+                "(prompt and answer together). Shorten the message or start a new conversation.")
+        pool_tokens = self.blocks.num_blocks * self.config.block_size
+        if len(ids) >= pool_tokens:
+            raise InvalidRequestError(
+                f"The prompt is {len(ids)} tokens but the KV cache holds only {pool_tokens}. "
+                "Shorten the prompt or give the engine a larger KV cache.")
+        return Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
+                        arrival_time=arrival_time or time.time(),
+                        generator=make_generator(params.seed, self.device),
+                        detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+
+    # ---- synchronous API: the caller drives step() -------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
+                    messages: list[dict] | None = None, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> Sequence:
+        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time)
+        self._enqueue(seq)
+        return seq
+
+    def _enqueue(self, seq: Sequence) -> None:
+        if seq.request_id in self.seqs:
+            raise InvalidRequestError(f"Request id {seq.request_id!r} is already in use; use a new id.")
+        self.seqs[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> list[Event]:
+        seq = self.seqs.get(request_id)
+        if seq is None:
+            return []
+        return self._finish(seq, "cancelled")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[Event]:
+        """One iteration: schedule, run one packed forward pass, sample, emit events."""
+        batch, impossible = self.scheduler.schedule()
+        events: list[Event] = []
+        for seq in impossible:
+            events += self._finish(seq, "length")
+        if not batch:
+            return events
+        self.steps += 1
+        self.last_batch = (batch.num_seqs, batch.num_tokens)
+        try:
+            logits = self.runner.run(batch)
+        except Exception as exc:   # a failed forward fails this batch's requests, not the engine
+            log.exception("forward pass failed")
+            for seq in batch.decodes + [s for s, _ in batch.prefills]:
+                events += self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
+            return events
+        return events + self._advance(batch, logits)
+
+    def _advance(self, batch: Batch, logits) -> list[Event]:
+        sampling = list(batch.decodes)
+        for seq, n in batch.prefills:
+            seq.num_computed_tokens += n
+            if seq.num_computed_tokens == seq.num_tokens:
+                sampling.append(seq)
+        for seq in batch.decodes:
+            seq.num_computed_tokens += 1
+        for seq in batch.decodes + [s for s, _ in batch.prefills]:
+            self.blocks.register_full_blocks(seq)
+            seq.batch_size_sum += batch.num_seqs
+            seq.steps += 1
+        if not sampling:
+            return []
+        tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
+                              [s.generator for s in sampling]).tolist()
+        now, events = time.time(), []
+        for seq, token in zip(sampling, tokens):
+            events += self._append_token(seq, token, now)
+        return events
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> list[Event]:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        text = seq.detokenizer.push([token])
+        events: list[Event] = [TokenDelta(seq.request_id, text, [token])]
+        if seq.detokenizer.stopped:
+            return events + self._finish(seq, "stop")
+        if token in self.eos_ids and not seq.params.ignore_eos:
+            return events + self._finish(seq, "stop")
+        if seq.num_completion_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
+            return events + self._finish(seq, "length")
+        return events
+
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> list[Event]:
+        if seq.finished:
+            return []
+        self.scheduler.remove(seq)
+        self.seqs.pop(seq.request_id, None)
+        seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
+        seq.finished_time = time.time()
+        events: list[Event] = []
+        tail = seq.detokenizer.flush()
+        if tail:
+            events.append(TokenDelta(seq.request_id, tail, []))
+        events.append(RequestFinished(
+            request_id=seq.request_id, text=seq.detokenizer.text, token_ids=seq.completion_token_ids,
+            finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
+            completion_tokens=seq.num_completion_tokens, cached_tokens=seq.num_cached_tokens,
+            arrival_time=seq.arrival_time, admitted_time=seq.admitted_time,
+            first_token_time=seq.first_token_time, finished_time=seq.finished_time,
+            mean_batch_size=seq.batch_size_sum / seq.steps if seq.steps else 0.0,
+            preemptions=seq.num_preemptions, error=error))
+        return events
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
+            kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free,
+            kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
+            preemptions=self.scheduler.num_preemptions,
+            prefix_cache_hit_tokens=self.blocks.prefix_hit_tokens,
+            prefix_cache_query_tokens=self.blocks.prefix_query_tokens,
+            last_batch_seqs=self.last_batch[0], last_batch_tokens=self.last_batch[1])
+
+    # ---- threaded API: a background loop steps; any thread submits and aborts -----------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stopping = False
+            self._thread = threading.Thread(target=self._loop, name="engine-loop", daemon=True)
+            self._thread.start()
+
+    def submit(self, request_id: str, prompt_token_ids: list[int] | None = None,
+               messages: list[dict] | None = None, params: SamplingParams | None = None,
+               arrival_time: float | None = None) -> RequestStream:
+        """Queue a request from any thread; bad requests raise here, in the caller's thread."""
+        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time)
+        stream = RequestStream(self, request_id)
+        with self._lock:
+            if self._stopping or self._thread is None:
+                raise RuntimeError("The engine is not running; call start() first.")
+            if request_id in self._streams:
+                raise InvalidRequestError(f"Request id {request_id!r} is already in use; use a new id.")
+            self._streams[request_id] = stream
+            self._inbox.append(seq)
+            self._lock.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+            self._lock.notify()
+
+    def shutdown(self) -> None:
+        with self._lock:
+            self._stopping = True
+            self._lock.notify()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                inbox, self._inbox = self._inbox, []
+                aborts, self._aborts = self._aborts, []
+            events: list[Event] = []
+            for seq in inbox:
+                self._enqueue(seq)
+            for request_id in aborts:
+                events += self.abort_request(request_id)
+            events += self.step()
+            self._dispatch(events)
+        # Nobody waits forever on a stopped engine.
+        events = []
+        for seq in list(self.seqs.values()) + inbox:
+            events += self._finish(seq, "error", error="The engine shut down before the answer finished; retry.")
+        self._dispatch(events)
+
+    def _dispatch(self, events: list[Event]) -> None:
+        with self._lock:
+            for event in events:
+                stream = self._streams.get(event.request_id)
+                if stream is None:
+                    continue
+                stream.events.put(event)
+                if event.finished:
+                    del self._streams[event.request_id]

@@ -1,0 +1,102 @@
+"""Runs one packed forward pass: builds the step's tensors, calls the model, returns sampling logits."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from . import attention
+from .attention import PrefillChunk, StepContext
+from .config import EngineConfig
+from .scheduler import Batch
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def kv_shape(model) -> tuple[int, int, int]:
+    """(layers, kv_heads, head_dim) of a decoder-only transformers model."""
+    c = _text_config(model)
+    heads = c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads, head_dim
+
+
+def context_length(model) -> int:
+    c = _text_config(model)
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if getattr(c, name, None):
+            return int(getattr(c, name))
+    raise ValueError("The model config names no context length; set EngineConfig.max_model_len.")
+
+
+class ModelRunner:
+    def __init__(self, model, config: EngineConfig) -> None:
+        self.model = model
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        attention.register()
+        model.set_attn_implementation(attention.ATTN_NAME)
+        layers, kv_heads, head_dim = kv_shape(model)
+        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
+        self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // bytes_per_block)
+        # Allocated once; every step writes into it in place.
+        self.kv = torch.zeros(2, layers, self.num_blocks, config.block_size, kv_heads, head_dim,
+                              dtype=self.dtype, device=self.device)
+        self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    @torch.inference_mode()
+    def run(self, batch: Batch) -> torch.Tensor:
+        """Forward the packed batch; logits [rows, vocab] for decodes and prefills that finish this step."""
+        ids, positions, slots, keep = [], [], [], []
+        bs = self.config.block_size
+        for seq in batch.decodes:
+            pos = seq.num_tokens - 1
+            ids.append(seq.token_ids[-1])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+        keep.extend(range(len(batch.decodes)))
+
+        prefills = []
+        for seq, n in batch.prefills:
+            start, first = len(ids), seq.num_computed_tokens
+            span = range(first, first + n)
+            ids.extend(seq.token_ids[first:first + n])
+            positions.extend(span)
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in span)
+            context = first + n
+            blocks = torch.tensor(table[:-(-context // bs)], device=self.device)
+            prefills.append(PrefillChunk(start, n, context, blocks))
+            if context == seq.num_tokens:   # the whole sequence is in: its last row gives the next token
+                keep.append(start + n - 1)
+
+        ctx = StepContext(kv=self.kv, slots=torch.tensor(slots, device=self.device),
+                          num_decodes=len(batch.decodes), prefills=prefills)
+        if batch.decodes:
+            ctx.decode_blocks, ctx.decode_mask = self._decode_tables(batch)
+        attention.set_context(ctx)
+        try:
+            input_ids = torch.tensor([ids], device=self.device)
+            position_ids = torch.tensor([positions], device=self.device)
+            keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+            if self.takes_logits_to_keep:
+                out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                                 logits_to_keep=keep_t)
+                return out.logits[0]
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0, keep_t]
+        finally:
+            attention.set_context(None)
+
+    def _decode_tables(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.config.block_size
+        width = max(len(s.block_table) for s in batch.decodes)
+        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes],
+                              device=self.device)
+        lengths = torch.tensor([s.num_tokens for s in batch.decodes], device=self.device)
+        mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
+        return tables, mask[:, None, None, :]

@@ -1,0 +1,72 @@
+"""What the engine reports: text deltas while a request runs, one final record when it ends, and stats."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TokenDelta:
+    request_id: str
+    text: str                 # new text since the last delta (may be "" while a character is incomplete)
+    token_ids: list[int]      # tokens sampled this step
+    finished: bool = False
+
+
+@dataclass
+class RequestFinished:
+    request_id: str
+    text: str                 # the whole answer: equals the concatenated deltas
+    token_ids: list[int]      # the whole completion, EOS included when it was generated
+    finish_reason: str        # stop | length | cancelled | error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int        # prompt tokens served by the prefix cache
+    arrival_time: float
+    admitted_time: float | None
+    first_token_time: float | None
+    finished_time: float
+    mean_batch_size: float    # sequences sharing this request's forward passes, on average
+    preemptions: int = 0
+    error: str | None = None
+    finished: bool = True
+
+    @property
+    def queue_wait(self) -> float | None:
+        return None if self.admitted_time is None else self.admitted_time - self.arrival_time
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        if self.first_token_time is None or self.completion_tokens < 2:
+            return None
+        return (self.finished_time - self.first_token_time) / (self.completion_tokens - 1)
+
+    @property
+    def e2e(self) -> float:
+        return self.finished_time - self.arrival_time
+
+
+Event = TokenDelta | RequestFinished
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    kv_blocks_total: int
+    steps: int
+    preemptions: int
+    prefix_cache_hit_tokens: int
+    prefix_cache_query_tokens: int
+    last_batch_seqs: int
+    last_batch_tokens: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total

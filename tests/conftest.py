@@ -1,0 +1,39 @@
+"""Shared fixtures: the real tokenizer, tiny random models in float32, and engines built on them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_model import make_tiny_model_dir
+from worker.model_loader import load_model, load_tokenizer
+
+torch.set_num_threads(max(1, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return load_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory, tokenizer):
+    """One saved tiny model per architecture, built once per session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model_dir(root / arch, tokenizer, arch) for arch in ("llama", "qwen2", "gpt2")}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tiny_model_dirs):
+    return tiny_model_dirs["llama"]
+
+
+@pytest.fixture()
+def tiny(tiny_model_dir):
+    """A fresh (model, tokenizer) pair: the engine switches the model's attention, so none is shared."""
+    return load_model(str(tiny_model_dir))
+
+
+@pytest.fixture(scope="session")
+def real_model():
+    return load_model()

@@ -1,0 +1,409 @@
+"""The continuous-batching engine against plain `generate`, and its scheduling, cache and API rules."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from worker.engine import (EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, RequestFinished,
+                           SamplingParams, TokenDelta)
+from worker.model_loader import load_model
+
+SYSTEM = "You are a helpful customer-support assistant for an online shop."
+QUESTIONS = [
+    "Where is my parcel? It was due on Monday.",
+    "Can I return shoes I have worn once?",
+    "Do you ship to Canada?",
+    "My coffee grinder arrived broken, the lid is cracked and the motor makes a grinding noise. What now?",
+    "Hi",
+    "How do I change the delivery address on an order I placed an hour ago, before it ships?",
+    "Is the blue teapot back in stock?",
+    "Thanks!",
+]
+
+
+def chat_ids(tokenizer, question: str, system: str | None = SYSTEM) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": question}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False))
+
+
+def greedy(cap: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_new_tokens=cap, **kw)
+
+
+def reference(model, ids: list[int], cap: int) -> list[int]:
+    out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                         max_new_tokens=cap, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def drain(engine: LLMEngine, results: dict, deltas: dict | None = None) -> None:
+    for event in engine.step():
+        if isinstance(event, RequestFinished):
+            results[event.request_id] = event
+        elif deltas is not None:
+            deltas.setdefault(event.request_id, []).append(event.text)
+
+
+def run_all(engine: LLMEngine) -> tuple[dict[str, RequestFinished], dict[str, list[str]]]:
+    results, deltas = {}, {}
+    while engine.has_unfinished():
+        drain(engine, results, deltas)
+    return results, deltas
+
+
+@pytest.fixture()
+def ref_model(tiny_model_dir):
+    return load_model(str(tiny_model_dir))[0]
+
+
+# ---- greedy equivalence ---------------------------------------------------------------------------
+
+def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model):
+    model, tok = tiny
+    # A small pool forces preemption; a small token budget forces chunked prefill.
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
+                                                num_blocks=44))
+    arrivals = {0: [0, 1, 2], 3: [3], 5: [4, 5], 9: [6], 14: [7]}
+    caps = [30, 12, 25, 20, 30, 8, 27, 16]
+    prompts = {str(i): chat_ids(tok, q, SYSTEM if i != 4 else None) for i, q in enumerate(QUESTIONS)}
+    results, step = {}, 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for i in arrivals.get(step, []):
+            engine.add_request(str(i), prompt_token_ids=prompts[str(i)], params=greedy(caps[i]))
+        drain(engine, results)
+        step += 1
+
+    assert len(results) == len(QUESTIONS)
+    for i in range(len(QUESTIONS)):
+        got = results[str(i)]
+        assert got.token_ids == reference(ref_model, prompts[str(i)], caps[i]), f"request {i} differs"
+        assert got.finish_reason in ("stop", "length")
+    # The scenario really exercised what it claims to.
+    assert engine.stats().preemptions > 0
+    assert any(r.preemptions for r in results.values())
+    assert sum(r.cached_tokens for r in results.values()) > 0
+    assert max(len(p) for p in prompts.values()) > 24
+    assert engine.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+def test_greedy_matches_generate_on_other_architectures(arch, tiny_model_dirs):
+    model, tok = load_model(str(tiny_model_dirs[arch]))
+    ref = load_model(str(tiny_model_dirs[arch]))[0]
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=3, max_num_batched_tokens=20, block_size=4,
+                                                num_blocks=64))
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
+    for i, ids in enumerate(prompts[:2]):
+        engine.add_request(str(i), prompt_token_ids=ids, params=greedy(15))
+    results = {}
+    for _ in range(4):
+        drain(engine, results)
+    for i, ids in enumerate(prompts[2:], start=2):
+        engine.add_request(str(i), prompt_token_ids=ids, params=greedy(15))
+    while engine.has_unfinished():
+        drain(engine, results)
+    for i, ids in enumerate(prompts):
+        assert results[str(i)].token_ids == reference(ref, ids, 15), f"{arch} request {i} differs"
+
+
+@pytest.mark.real_model
+def test_greedy_matches_generate_on_the_real_default_model(real_model):
+    model, tok = real_model
+    ref = load_model()[0]
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=64))
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=ids, params=greedy(24))
+    results, deltas = run_all(engine)
+    for i, ids in enumerate(prompts):
+        want = reference(ref, ids, 24)
+        assert results[str(i)].token_ids == want, f"request {i} differs"
+        assert "".join(deltas[str(i)]) == results[str(i)].text == tok.decode(want, skip_special_tokens=True)
+    assert results["0"].text.strip(), "the real model should answer in words"
+
+
+# ---- scheduling ------------------------------------------------------------------------------------
+
+def test_a_freed_slot_is_refilled_in_the_next_step(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, num_blocks=32))
+    engine.add_request("a", prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(3, ignore_eos=True))
+    engine.add_request("b", prompt_token_ids=chat_ids(tok, "Hello"), params=greedy(2, ignore_eos=True))
+    results = {}
+    for _ in range(3):   # a: one prefill step (first token) and two decode steps
+        drain(engine, results)
+        assert engine.stats().waiting == 1
+    assert results["a"].finish_reason == "length"
+    drain(engine, results)
+    assert engine.stats().running == 1 and engine.stats().last_batch_seqs == 1   # b started at once
+    drain(engine, results)
+    assert results["b"].completion_tokens == 2 and engine.steps == 5
+
+
+def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, num_blocks=64,
+                                                enable_prefix_caching=False))
+    engine.add_request("short", prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(40, ignore_eos=True))
+    results = {}
+    while engine.seqs["short"].num_uncomputed > 1:
+        drain(engine, results)
+    long_ids = chat_ids(tok, " ".join(QUESTIONS))
+    engine.add_request("long", prompt_token_ids=long_ids, params=greedy(2, ignore_eos=True))
+    steps = 0
+    while engine.seqs["long"].num_completion_tokens == 0:
+        before = engine.seqs["short"].num_completion_tokens
+        drain(engine, results)
+        steps += 1
+        assert engine.seqs["short"].num_completion_tokens == before + 1, "the decode starved"
+        assert engine.stats().last_batch_tokens <= 16
+    assert steps == -(-len(long_ids) // 15)   # 15 tokens of prefill beside the one decode per step
+
+
+def test_a_request_that_does_not_fit_the_pool_waits(tiny):
+    model, tok = tiny
+    ids = chat_ids(tok, "Where is my parcel?")
+    prompt_blocks, blocks = -(-len(ids) // 16), -(-(len(ids) + 10) // 16)
+    assert 2 * prompt_blocks > blocks, "both prompts must not fit at once"
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=blocks, enable_prefix_caching=False))
+    engine.add_request("first", prompt_token_ids=ids, params=greedy(10, ignore_eos=True))
+    engine.add_request("second", prompt_token_ids=ids, params=greedy(10, ignore_eos=True))
+    results = {}
+    drain(engine, results)
+    assert engine.stats().running == 1 and engine.stats().waiting == 1
+    results, _ = run_all(engine)
+    assert results["second"].admitted_time >= results["first"].finished_time
+    assert results["first"].token_ids == results["second"].token_ids
+
+
+def test_a_sequence_larger_than_the_whole_pool_ends_with_length(tiny):
+    model, tok = tiny
+    ids = chat_ids(tok, "Hi", system=None)
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=2, block_size=16, num_blocks=3))
+    engine.add_request("big", prompt_token_ids=ids, params=greedy(200, ignore_eos=True))
+    results, _ = run_all(engine)
+    assert results["big"].finish_reason == "length"
+    # 48 cached positions; the last sampled token needed no slot of its own.
+    assert results["big"].prompt_tokens + results["big"].completion_tokens == 3 * 16 + 1
+
+
+def test_abort_frees_the_slot_and_blocks(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, num_blocks=32, enable_prefix_caching=False))
+    engine.add_request("a", prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(50, ignore_eos=True))
+    engine.add_request("b", prompt_token_ids=chat_ids(tok, "Hello"), params=greedy(5, ignore_eos=True))
+    results = {}
+    for _ in range(3):
+        drain(engine, results)
+    assert engine.stats().kv_blocks_used > 0 and engine.stats().waiting == 1
+    events = engine.abort_request("a")
+    assert isinstance(events[-1], RequestFinished) and events[-1].finish_reason == "cancelled"
+    assert events[-1].completion_tokens == 3
+    assert engine.stats().kv_blocks_used == 0 and engine.stats().running == 0
+    drain(engine, results)
+    assert engine.stats().running == 1   # b took the slot
+    assert engine.abort_request("unknown") == []
+
+
+def test_prefix_cache_serves_the_shared_system_prompt(tiny, ref_model):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, block_size=4, num_blocks=128))
+    first, second = chat_ids(tok, QUESTIONS[0]), chat_ids(tok, QUESTIONS[1])
+    shared = next(i for i, (x, y) in enumerate(zip(first, second)) if x != y)
+    engine.add_request("1", prompt_token_ids=first, params=greedy(5))
+    run_all(engine)
+    engine.add_request("2", prompt_token_ids=second, params=greedy(5))
+    results, _ = run_all(engine)
+    assert results["2"].cached_tokens == shared // 4 * 4 > 0
+    assert engine.stats().prefix_cache_hit_tokens == results["2"].cached_tokens
+    assert results["2"].token_ids == reference(ref_model, second, 5)
+
+
+def test_identical_prompt_never_skips_its_last_token(tiny, ref_model):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64))
+    ids = chat_ids(tok, "Hi")[:16]   # a whole number of blocks
+    for rid in ("x", "y"):
+        engine.add_request(rid, prompt_token_ids=ids, params=greedy(4))
+        results, _ = run_all(engine)
+    assert results["y"].cached_tokens == 12
+    assert results["y"].token_ids == reference(ref_model, ids, 4)
+
+
+# ---- bad input ---------------------------------------------------------------------------------------
+
+def test_prompt_over_the_context_is_refused_with_a_clear_error(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_model_len=64, num_blocks=64))
+    with pytest.raises(InvalidRequestError, match=r"80 tokens.*context holds 64.*Shorten"):
+        engine.add_request("long", prompt_token_ids=list(range(100, 180)))
+    assert not engine.has_unfinished()
+
+
+def test_invalid_requests_are_refused_at_submission(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=16))
+    with pytest.raises(InvalidParamsError, match="temperature"):
+        engine.add_request("a", prompt_token_ids=[1, 2, 3], params=SamplingParams(temperature=-1))
+    with pytest.raises(InvalidParamsError, match="top_p"):
+        engine.add_request("a", prompt_token_ids=[1, 2, 3], params=SamplingParams(top_p=0))
+    with pytest.raises(InvalidRequestError, match="empty"):
+        engine.add_request("a", prompt_token_ids=[])
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        engine.add_request("a")
+    with pytest.raises(InvalidRequestError, match="KV cache holds only 256"):
+        engine.add_request("a", prompt_token_ids=list(range(100, 400)))
+    engine.add_request("a", prompt_token_ids=[1, 2, 3], params=greedy(2))
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        engine.add_request("a", prompt_token_ids=[1, 2, 3])
+    assert len(engine.seqs) == 1
+
+
+def test_engine_config_is_validated(tiny):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLMEngine(model, tok, EngineConfig(max_num_seqs=0))
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        LLMEngine(model, tok, EngineConfig(max_num_seqs=64, max_num_batched_tokens=32))
+
+
+# ---- sampling through the engine ------------------------------------------------------------------------
+
+def test_same_seed_same_output_whatever_shares_the_batch(tiny):
+    model, tok = tiny
+    ids = chat_ids(tok, "Recommend a teapot")
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.2, seed=7,
+                            max_new_tokens=20, ignore_eos=True)
+
+    def run(extra: int, seed: int = 7) -> list[int]:
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+        for j in range(extra):
+            engine.add_request(f"other{j}", prompt_token_ids=chat_ids(tok, QUESTIONS[j]),
+                               params=SamplingParams(temperature=1.3, max_new_tokens=25))
+        engine.add_request("me", prompt_token_ids=ids,
+                           params=SamplingParams(**{**params.__dict__, "seed": seed}))
+        return run_all(engine)[0]["me"].token_ids
+
+    alone = run(0)
+    assert run(3) == alone
+    assert run(0, seed=8) != alone
+
+
+def test_greedy_with_repetition_penalty_matches_generate(tiny, ref_model):
+    model, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[3])
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=64))
+    engine.add_request("p", prompt_token_ids=ids, params=greedy(20, repetition_penalty=1.5))
+    got = run_all(engine)[0]["p"].token_ids
+    want = ref_model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False,
+                              repetition_penalty=1.5)[0, len(ids):].tolist()
+    assert got == want
+
+
+# ---- streaming text --------------------------------------------------------------------------------------
+
+def test_deltas_add_up_to_the_final_text(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+    for i, q in enumerate(QUESTIONS[:4]):
+        engine.add_request(str(i), prompt_token_ids=chat_ids(tok, q), params=greedy(30))
+    results, deltas = run_all(engine)
+    for rid, done in results.items():
+        assert "".join(deltas[rid]) == done.text == tok.decode(done.token_ids, skip_special_tokens=True)
+        assert all("\ufffd" not in d for d in deltas[rid]) or "\ufffd" in done.text
+
+
+def test_stop_string_ends_the_answer_and_is_never_streamed(tiny):
+    model, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[2])
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=64))
+    engine.add_request("full", prompt_token_ids=ids, params=greedy(30, ignore_eos=True))
+    full = run_all(engine)[0]["full"].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = full.index(stop)
+    engine.add_request("cut", prompt_token_ids=ids, params=greedy(30, ignore_eos=True, stop=[stop, "\x00never"]))
+    results, deltas = run_all(engine)
+    assert results["cut"].finish_reason == "stop"
+    assert results["cut"].text == full[:cut] == "".join(deltas["cut"])
+
+
+def test_multibyte_characters_are_never_split(tokenizer):
+    from worker.engine.detokenizer import IncrementalDetokenizer
+
+    text = "Grüße aus Köln 👋 — 東京への配送は3日です 🚚📦 ok"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+    assert "" in deltas[:-1], "some token should end inside a character, or this test proves nothing"
+
+
+def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer):
+    from worker.engine.detokenizer import IncrementalDetokenizer
+
+    detok = IncrementalDetokenizer(tokenizer, stop=("ORDER-END",))
+    ids = tokenizer.encode("Your ORDER-EN is ready, ORDER-END and more", add_special_tokens=False)
+    shown = []
+    for i in ids:
+        shown.append(detok.push([i]))
+        if "".join(shown).endswith("ORDER") or "".join(shown).endswith("ORDER-"):
+            pytest.fail("a possible start of the stop string was shown early")
+    shown.append(detok.flush())
+    assert "".join(shown) == "Your ORDER-EN is ready, " and detok.stopped
+    assert detok.push(tokenizer.encode(" more", add_special_tokens=False)) == ""
+
+
+# ---- threaded API ------------------------------------------------------------------------------------------
+
+def test_threaded_submit_stream_and_cancel(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+    engine.start()
+    try:
+        finals, texts = {}, {}
+
+        def consume(i: int) -> None:
+            stream = engine.submit(f"t{i}", messages=[{"role": "user", "content": QUESTIONS[i]}],
+                                   params=greedy(400 if i == 0 else 12, ignore_eos=True))
+            parts = []
+            for event in stream:
+                if isinstance(event, TokenDelta):
+                    parts.append(event.text)
+                    if i == 0 and len(parts) == 3:
+                        stream.cancel()
+                else:
+                    finals[i] = event
+            texts[i] = "".join(parts)
+
+        threads = [threading.Thread(target=consume, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert finals[0].finish_reason == "cancelled" and finals[0].completion_tokens < 400
+        assert finals[1].finish_reason == finals[2].finish_reason == "length"
+        assert all(texts[i] == finals[i].text for i in range(3))
+        with pytest.raises(InvalidParamsError):
+            engine.submit("bad", prompt_token_ids=[1, 2], params=SamplingParams(max_new_tokens=0))
+        stats = engine.stats()
+        assert stats.running == 0 and stats.kv_blocks_used == 0
+    finally:
+        engine.shutdown()
+
+
+def test_shutdown_ends_open_streams_with_an_error(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, num_blocks=64))
+    engine.start()
+    stream = engine.submit("slow", prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(10_000, ignore_eos=True))
+    first = next(iter(stream))
+    assert isinstance(first, TokenDelta)
+    engine.shutdown()
+    final = [e for e in stream][-1]
+    assert final.finish_reason == "error" and "retry" in final.error
+    with pytest.raises(RuntimeError, match="start"):
+        engine.submit("late", prompt_token_ids=[1, 2, 3])

@@ -1,0 +1,61 @@
+"""Chat with the support assistant in the terminal, answers streamed by the engine."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+
+from worker.engine import EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, SamplingParams, TokenDelta
+from worker.model_loader import load_model
+
+DEFAULT_SYSTEM_PROMPT = ("You are a friendly customer-support assistant for an online shop. Answer briefly and "
+                         "politely; if you do not know an order's details, ask for the order number.")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default=os.environ.get("MODEL"), help="HF id, directory or .gguf file")
+    parser.add_argument("--device", default=os.environ.get("DEVICE"))
+    parser.add_argument("--dtype", default=os.environ.get("DTYPE"))
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    args = parser.parse_args(argv)
+
+    print("Loading the model...", flush=True)
+    model, tokenizer = load_model(args.model, args.device, args.dtype)
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=4))
+    engine.start()
+    history = [{"role": "system", "content": os.environ.get("SYSTEM_PROMPT", DEFAULT_SYSTEM_PROMPT)}]
+    print("Ask the shop's assistant anything (Ctrl-D to quit).")
+    try:
+        for n in itertools.count():
+            try:
+                text = input("\nyou> ").strip()
+            except EOFError:
+                break
+            if not text:
+                continue
+            history.append({"role": "user", "content": text})
+            params = SamplingParams(temperature=args.temperature, top_p=0.9, max_new_tokens=args.max_new_tokens)
+            try:
+                stream = engine.submit(f"chat-{n}", messages=history, params=params)
+            except (InvalidRequestError, InvalidParamsError) as exc:
+                history.pop()
+                print(f"error: {exc}")
+                continue
+            print("assistant> ", end="", flush=True)
+            for event in stream:
+                if isinstance(event, TokenDelta):
+                    print(event.text, end="", flush=True)
+                else:
+                    history.append({"role": "assistant", "content": event.text})
+            print()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -61,11 +61,12 @@ def ref_model(tiny_model_dir):
 
 # ---- greedy equivalence ---------------------------------------------------------------------------
 
-def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model):
+@pytest.mark.parametrize("packed", [True, False], ids=["packed-matmuls", "dense-matmuls"])
+def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed):
     model, tok = tiny
     # A small pool forces preemption; a small token budget forces chunked prefill.
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
-                                                num_blocks=44))
+                                                num_blocks=44, pack_cpu_linears=packed))
     arrivals = {0: [0, 1, 2], 3: [3], 5: [4, 5], 9: [6], 14: [7]}
     caps = [30, 12, 25, 20, 30, 8, 27, 16]
     prompts = {str(i): chat_ids(tok, q, SYSTEM if i != 4 else None) for i, q in enumerate(QUESTIONS)}

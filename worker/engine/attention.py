@@ -3,6 +3,11 @@
 The model's own code computes Q/K/V and RoPE; this function writes the new K/V into the paged
 pool in place and attends over each sequence's blocks. Decode rows are batched into one call;
 each prefill chunk gets its own causal call.
+
+The pool is laid out [kv_heads, blocks, block_size, head_dim] per layer, so gathering a batch's
+blocks yields [kv_heads, seqs, tokens, head_dim] with no transpose: (kv_heads, seqs) are the
+batch dimensions of one SDPA call, and the query heads that share a KV head are its query rows
+(grouped-query attention without repeating K/V).
 """
 
 from __future__ import annotations
@@ -28,11 +33,11 @@ class PrefillChunk:
 class StepContext:
     """What every layer's attention call needs to know about this step's packing."""
 
-    kv: torch.Tensor                         # [2, layers, blocks, block_size, kv_heads, head_dim]
-    slots: torch.Tensor                      # [tokens] flat cache slot of each packed token
+    kv: torch.Tensor                            # [2, layers, kv_heads, blocks, block_size, head_dim]
+    slots: torch.Tensor                         # [tokens] flat cache slot of each packed token
     num_decodes: int = 0
     decode_blocks: torch.Tensor | None = None   # [decodes, max_blocks]
-    decode_mask: torch.Tensor | None = None     # [decodes, 1, 1, max_blocks * block_size]
+    decode_mask: torch.Tensor | None = None     # [1, decodes, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 
@@ -48,47 +53,44 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     ctx: StepContext = _local.ctx
     k_cache, v_cache = ctx.kv[0, module.layer_idx], ctx.kv[1, module.layer_idx]
-    _, heads, num_tokens, head_dim = query.shape
-    kv_heads = key.shape[1]
-    # [1, h, T, d] -> [T, h, d]: the packed tokens are one long "batch of one".
-    q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slots, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slots, v)
+    kv_heads, _, _, head_dim = k_cache.shape
+    # The packed tokens are one "batch of one": [1, heads, T, d] -> [heads, T, d].
+    q, k, v = query[0], key[0], value[0]
+    k_cache.view(kv_heads, -1, head_dim).index_copy_(1, ctx.slots, k)
+    v_cache.view(kv_heads, -1, head_dim).index_copy_(1, ctx.slots, v)
 
-    out = query.new_empty(num_tokens, heads, head_dim)
+    out = torch.empty_like(q)
     nd = ctx.num_decodes
     if nd:
-        out[:nd] = _decode_attention(q[:nd], k_cache, v_cache, ctx, scaling)
+        out[:, :nd] = _decode_attention(q[:, :nd], k_cache, v_cache, ctx, scaling)
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
-        out[rows] = _prefill_attention(q[rows], k[rows], v[rows], k_cache, v_cache, chunk, scaling)
-    return out.unsqueeze(0), None
+        out[:, rows] = _prefill_attention(q[:, rows], k[:, rows], v[:, rows], k_cache, v_cache, chunk, scaling)
+    return out.transpose(0, 1).unsqueeze(0), None   # [1, T, heads, d], as transformers expects
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """[..., n_blocks] block ids -> [..., kv_heads, n_blocks * block_size, head_dim] view for SDPA."""
-    g = cache[blocks]                                   # [..., nb, bs, kvh, d]
-    g = g.flatten(-4, -3)                               # [..., nb*bs, kvh, d]
-    return g.transpose(-3, -2)                          # [..., kvh, nb*bs, d]
+    """Block ids [..., n] -> [kv_heads, ..., n * block_size, head_dim]."""
+    g = cache[:, blocks]
+    return g.flatten(-3, -2)
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: StepContext,
                       scaling: float | None) -> torch.Tensor:
-    nd, heads, d = q.shape
-    kv_heads = k_cache.shape[-2]
-    # Group the query heads that share a KV head as extra "query rows": GQA without repeating K/V.
-    qg = q.reshape(nd, kv_heads, heads // kv_heads, d)
+    heads, nd, d = q.shape
+    kv_heads = k_cache.shape[0]
+    qg = q.reshape(kv_heads, heads // kv_heads, nd, d).transpose(1, 2)      # [kvh, nd, group, d]
     keys, values = _gather(k_cache, ctx.decode_blocks), _gather(v_cache, ctx.decode_blocks)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.decode_mask, scale=scaling)
-    return o.reshape(nd, heads, d)
+    return o.transpose(1, 2).reshape(heads, nd, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                        v_cache: torch.Tensor, chunk: PrefillChunk, scaling: float | None) -> torch.Tensor:
-    heads, kv_heads = q.shape[1], k.shape[1]
+    heads, kv_heads = q.shape[0], k.shape[0]
     if chunk.context == chunk.length:
         # Nothing cached before this chunk: plain causal attention over the fresh K/V.
-        keys, values, mask, causal = k.transpose(0, 1), v.transpose(0, 1), None, True
+        keys, values, mask, causal = k, v, None, True
     else:
         keys = _gather(k_cache, chunk.blocks)[:, :chunk.context]
         values = _gather(v_cache, chunk.blocks)[:, :chunk.context]
@@ -96,9 +98,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         rows = torch.arange(first, chunk.context, device=q.device)
         mask = torch.arange(chunk.context, device=q.device)[None, :] <= rows[:, None]
         causal = False
-    o = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, is_causal=causal,
+    o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
                                        scale=scaling, enable_gqa=heads != kv_heads)
-    return o.transpose(0, 1)
+    return o[0]
 
 
 def register() -> None:

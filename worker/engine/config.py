@@ -14,6 +14,7 @@ class EngineConfig:
     kv_cache_memory_gib: float = 1.0
     max_model_len: int | None = None     # None: the model's own context length
     enable_prefix_caching: bool = True
+    pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see packed_linear.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

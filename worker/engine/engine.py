@@ -210,6 +210,11 @@ class LLMEngine:
             preemptions=seq.num_preemptions, error=error))
         return events
 
+    def release_model(self) -> None:
+        """Stop and hand the model back unchanged, e.g. to run plain `generate` on it again."""
+        self.shutdown()
+        self.runner.release_model()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),

@@ -8,6 +8,7 @@ import torch
 
 from . import attention
 from .attention import PrefillChunk, StepContext
+from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
 from .scheduler import Batch
 
@@ -40,14 +41,21 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         attention.register()
+        self.original_attn = model.config._attn_implementation
         model.set_attn_implementation(attention.ATTN_NAME)
+        self.packed_linears = pack_linears(model) if config.pack_cpu_linears else 0
         layers, kv_heads, head_dim = kv_shape(model)
         bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
         self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // bytes_per_block)
         # Allocated once; every step writes into it in place.
-        self.kv = torch.zeros(2, layers, self.num_blocks, config.block_size, kv_heads, head_dim,
+        self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks, config.block_size, head_dim,
                               dtype=self.dtype, device=self.device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+
+    def release_model(self) -> None:
+        """Give the model back as it came: dense linears and its own attention."""
+        unpack_linears(self.model)
+        self.model.set_attn_implementation(self.original_attn)
 
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
@@ -99,4 +107,4 @@ class ModelRunner:
                               device=self.device)
         lengths = torch.tensor([s.num_tokens for s in batch.decodes], device=self.device)
         mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
-        return tables, mask[:, None, None, :]
+        return tables, mask[None, :, None, :]

@@ -1,0 +1,86 @@
+"""End-to-end check of `python -m worker.bench` on a tiny random model: JSON schema and plot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.tiny_model import make_tiny_model_dir
+from worker import bench
+from worker.model_loader import load_tokenizer
+
+METRIC_TYPES = {
+    "tokens_per_s": float, "wall_s": float, "e2e_p50_s": float, "e2e_p95_s": float, "ttft_p50_s": float,
+    "ttft_p95_s": float, "peak_rss_mb": float, "greedy_matches": int, "requests": int,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("bench-model") / "llama", load_tokenizer(), "llama")
+
+
+def test_bench_writes_full_schema_and_plot(tiny_dir, tmp_path):
+    out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
+    result = bench.main(["--model", str(tiny_dir), "--device", "cpu", "--limit", "6", "--slots", "2", "--ablate",
+                         "--json", str(out_json), "--plot", str(out_png)])
+
+    data = json.loads(out_json.read_text())
+    assert data == json.loads(json.dumps(result))
+    assert set(data) == {"slots", "device", "dtype", "model", "methods"}
+    assert data["slots"] == 2 and data["device"] == "cpu" and data["dtype"] == "float32"
+    assert set(data["methods"]) == {*bench.METHODS, "engine_dense"}
+    for name, metrics in data["methods"].items():
+        assert set(metrics) == set(METRIC_TYPES), name
+        for key, kind in METRIC_TYPES.items():
+            value = metrics[key]
+            # JSON turns a whole float into an int only if it was one; ints are fine where floats are asked.
+            assert isinstance(value, (int, float) if kind is float else int), (name, key, value)
+            assert not isinstance(value, bool), (name, key)
+            assert value >= 0, (name, key, value)
+        assert metrics["requests"] == 6
+        assert metrics["greedy_matches"] <= 6
+        if name.startswith("engine"):
+            assert metrics["greedy_matches"] == 6, f"{name} must reproduce sequential greedy decoding"
+        assert metrics["tokens_per_s"] > 0
+        assert metrics["e2e_p50_s"] <= metrics["e2e_p95_s"] <= metrics["wall_s"] + 1e-6
+        assert metrics["ttft_p50_s"] <= metrics["e2e_p50_s"]
+    assert out_png.is_file() and out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_skip_leaves_methods_out_and_reference_off(tiny_dir, tmp_path):
+    out_json = tmp_path / "out.json"
+    bench.main(["--model", str(tiny_dir), "--device", "cpu", "--limit", "2", "--slots", "2",
+                "--skip", "reference,transformers_cb,engine,engine_best", "--json", str(out_json)])
+    methods = json.loads(out_json.read_text())["methods"]
+    assert set(methods) == {"static"}
+    assert methods["static"]["greedy_matches"] is None
+
+
+def test_unknown_skip_is_rejected():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--skip", "nope"])
+
+
+def test_sweep_measures_the_engine_at_each_slot_count(tiny_dir, tmp_path):
+    out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    bench.main(["--model", str(tiny_dir), "--device", "cpu", "--limit", "4", "--sweep-slots", "1,4",
+                "--json", str(out_json), "--plot", str(out_png)])
+    data = json.loads(out_json.read_text())
+    assert data["slots"] == [1, 4] and set(data["sweep"]) == {"1", "4"}
+    assert all(m["requests"] == 4 and m["tokens_per_s"] > 0 for m in data["sweep"].values())
+    assert out_png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_engine_run_hands_the_model_back_unchanged(tiny_dir):
+    from worker.engine.packed_linear import PackedLinear
+    from worker.model_loader import load_model
+
+    model, tokenizer = load_model(str(tiny_dir))
+    setup = bench.Setup(model, tokenizer, bench.load_workload(bench.DEFAULT_WORKLOAD, tokenizer, 2),
+                        bench.eos_ids_of(model, tokenizer), tokenizer.pad_token_id)
+    before = model.config._attn_implementation
+    bench.run_engine(setup, 2, 64)
+    assert model.config._attn_implementation == before
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())

@@ -1,0 +1,580 @@
+"""Benchmark static batching, transformers continuous batching and the worker engine on the support workload."""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import platform
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import torch
+from tqdm import tqdm
+from transformers.generation.streamers import BaseStreamer
+
+from worker.model_loader import load_model
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_WORKLOAD = REPO_ROOT.parent / "shared" / "bench" / "workload.json"
+METHODS = ("static", "transformers_cb", "engine", "engine_best")
+SKIPPABLE = (*METHODS, "reference")
+ENGINE_BUDGET = 512
+BEST_BUDGET = 1024
+BEST_SLOTS_CAP = 64
+ENGINE_BLOCK_SIZE = 16
+CB_ATTN_CHOICES = ("sdpa", "paged|eager")
+# On 2 CPU cores with SmolLM2-135M in float32, sdpa gave 3-15 % more tokens/s than paged|eager (4 and 16 slots).
+DEFAULT_CB_ATTN = "sdpa"
+RSS_INTERVAL_S = 0.02
+COLORS = {"static": "#888888", "transformers_cb": "#4c72b0", "engine": "#dd8452", "engine_best": "#55a868",
+          "engine_dense": "#c44e52"}
+METRIC_KEYS = ("tokens_per_s", "wall_s", "e2e_p50_s", "e2e_p95_s", "ttft_p50_s", "ttft_p95_s",
+               "peak_rss_mb", "greedy_matches", "requests")
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    cap: int
+
+
+@dataclass
+class Completion:
+    ids: list[int]
+    e2e_s: float
+    ttft_s: float | None
+
+
+@dataclass
+class Run:
+    """What one method produced: completions by request id, timings and the engine's batch occupancy."""
+
+    completions: dict[str, Completion]
+    wall_s: float
+    peak_rss_mb: float = 0.0
+    occupancy: list[tuple[float, int]] = field(default_factory=list)
+
+
+@dataclass
+class Setup:
+    model: object
+    tokenizer: object
+    requests: list[Request]
+    eos_ids: set[int]
+    pad_id: int
+
+
+# ---------------------------------------------------------------- workload
+
+
+def load_workload(path: Path, tokenizer, limit: int | None) -> list[Request]:
+    data = json.loads(path.read_text())
+    items = data["requests"][:limit] if limit else data["requests"]
+    requests = []
+    for item in items:
+        messages = [{"role": "system", "content": data["system_prompt"]},
+                    {"role": "user", "content": item["question"]}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        requests.append(Request(str(item["id"]), list(ids), int(item["max_new_tokens"])))
+    return requests
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    ids = model.generation_config.eos_token_id
+    ids = set(ids) if isinstance(ids, (list, tuple)) else ({ids} if ids is not None else set())
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def cut(ids: Sequence[int], cap: int, eos_ids: set[int]) -> list[int]:
+    """Completion ids up to the cap and the first EOS, EOS included, so every method is compared the same way."""
+    out = []
+    for token in list(ids)[:cap]:
+        out.append(int(token))
+        if token in eos_ids:
+            break
+    return out
+
+
+def chunks(items: list[Request], size: int) -> Iterator[list[Request]]:
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@contextmanager
+def peak_rss() -> Iterator[list[float]]:
+    """Sample this process's RSS in a background thread; the yielded list holds the peak in MB afterwards."""
+    process = psutil.Process()
+    peak = [process.memory_info().rss]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(RSS_INTERVAL_S):
+            peak[0] = max(peak[0], process.memory_info().rss)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    result = [0.0]
+    try:
+        yield result
+    finally:
+        stop.set()
+        thread.join()
+        result[0] = max(peak[0], process.memory_info().rss) / 2**20
+
+
+class FirstTokenClock(BaseStreamer):
+    """A generate() streamer that notes when the first new tokens exist (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.puts = 0
+        self.first_token_time: float | None = None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first_token_time = time.time()
+
+    def end(self) -> None:
+        pass
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolated percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low, high = math.floor(pos), math.ceil(pos)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def summarize(run: Run, requests: list[Request], eos_ids: set[int],
+              reference: dict[str, list[int]] | None) -> dict:
+    caps = {r.id: r.cap for r in requests}
+    outputs = {rid: cut(c.ids, caps[rid], eos_ids) for rid, c in run.completions.items()}
+    tokens = sum(len(ids) for ids in outputs.values())
+    e2e = [c.e2e_s for c in run.completions.values()]
+    ttft = [c.ttft_s for c in run.completions.values() if c.ttft_s is not None]
+    # TTFT is reported only when every request has one: a partial sample would flatter the method.
+    has_ttft = len(ttft) == len(run.completions)
+    matches = None
+    if reference is not None:
+        matches = sum(1 for rid, ids in outputs.items() if ids == reference.get(rid))
+    return {
+        "tokens_per_s": tokens / run.wall_s if run.wall_s > 0 else 0.0,
+        "wall_s": run.wall_s,
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p95_s": percentile(e2e, 95),
+        "ttft_p50_s": percentile(ttft, 50) if has_ttft else None,
+        "ttft_p95_s": percentile(ttft, 95) if has_ttft else None,
+        "peak_rss_mb": run.peak_rss_mb,
+        "greedy_matches": matches,
+        "requests": len(run.completions),
+    }
+
+
+def measured(method: Callable[..., Run]) -> Callable[..., Run]:
+    """Wrap a method so its whole run (setup included) is RSS-sampled."""
+
+    def wrapper(*args, **kwargs) -> Run:
+        with peak_rss() as peak:
+            run = method(*args, **kwargs)
+        run.peak_rss_mb = peak[0]
+        return run
+
+    return wrapper
+
+
+def progress(name: str, total: int) -> tqdm:
+    return tqdm(total=total, desc=f"{name:<15}", unit="req", file=sys.stderr, dynamic_ncols=True)
+
+
+# ---------------------------------------------------------------- methods
+
+
+def greedy_config(model, max_new_tokens: int, pad_id: int):
+    config = copy.deepcopy(model.generation_config)
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
+    config.pad_token_id = pad_id
+    # Sampling knobs from the checkpoint would only trigger warnings once do_sample is off.
+    config.temperature = config.top_p = config.top_k = None
+    return config
+
+
+@torch.inference_mode()
+def generate_batch(setup: Setup, batch: list[Request], streamer=None) -> list[list[int]]:
+    """One left-padded model.generate call over the batch, greedy up to the batch's largest cap."""
+    tokenizer, model = setup.tokenizer, setup.model
+    encoded = tokenizer.pad({"input_ids": [r.prompt_ids for r in batch]}, padding_side="left", return_tensors="pt")
+    input_ids = encoded["input_ids"].to(model.device)
+    attention_mask = encoded["attention_mask"].to(model.device)
+    config = greedy_config(model, max(r.cap for r in batch), setup.pad_id)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
+                         streamer=streamer)
+    return out[:, input_ids.shape[1]:].tolist()
+
+
+def warm_up(setup: Setup) -> None:
+    generate_batch(setup, [Request("warmup", setup.requests[0].prompt_ids, 2)])
+
+
+def run_reference(setup: Setup) -> dict[str, list[int]]:
+    """Each request alone through model.generate: the greedy answer every method is checked against."""
+    reference = {}
+    with progress("reference", len(setup.requests)) as bar:
+        for request in setup.requests:
+            ids = generate_batch(setup, [request])[0]
+            reference[request.id] = cut(ids, request.cap, setup.eos_ids)
+            bar.update(1)
+    return reference
+
+
+@measured
+def run_static(setup: Setup, slots: int) -> Run:
+    completions = {}
+    start = time.time()
+    with progress("static", len(setup.requests)) as bar:
+        for wave in chunks(setup.requests, slots):
+            clock = FirstTokenClock()
+            outputs = generate_batch(setup, wave, streamer=clock)
+            end = time.time()
+            ttft = clock.first_token_time - start if clock.first_token_time else None
+            for request, ids in zip(wave, outputs):
+                completions[request.id] = Completion(cut(ids, request.cap, setup.eos_ids), end - start, ttft)
+            bar.update(len(wave))
+    return Run(completions, time.time() - start)
+
+
+def cb_num_blocks(requests: list[Request], slots: int, page_size: int) -> int:
+    """Enough cache pages for `slots` of the longest requests, above the FIFO scheduler's 15 % free-page reserve."""
+    longest = max(len(r.prompt_ids) + r.cap for r in requests)
+    pages = slots * math.ceil(longest / page_size)
+    return math.ceil(pages / 0.8) + 1
+
+
+@measured
+def run_transformers_cb(setup: Setup, slots: int, attn: str) -> Run:
+    from transformers import ContinuousBatchingConfig
+
+    model = setup.model
+    original_attn = model.config._attn_implementation
+    model.set_attn_implementation(attn)
+    cb_config = ContinuousBatchingConfig(
+        max_requests_per_batch=slots,
+        max_batch_tokens=ENGINE_BUDGET,
+        # Left unset, the cache takes 60 % of free RAM on CPU.
+        num_blocks=cb_num_blocks(setup.requests, slots, ContinuousBatchingConfig.page_size),
+        auto_switch_to_flash=False,
+    )
+    gen_config = greedy_config(model, max(r.cap for r in setup.requests), setup.pad_id)
+    gen_config.eos_token_id = sorted(setup.eos_ids)
+    manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
+    try:
+        manager.warmup()  # builds the paged cache now, as the engine does in its constructor
+        manager.start()
+        run = collect_cb(manager, setup.requests)
+    finally:
+        manager.stop(block=True)
+        model.destroy_cached_continuous_batching_manager()
+        model.set_attn_implementation(original_attn)
+    return run
+
+
+def collect_cb(manager, requests: list[Request]) -> Run:
+    start, start_perf = time.time(), time.perf_counter()
+    for request in requests:
+        manager.add_request(request.prompt_ids, request_id=request.id, max_new_tokens=request.cap,
+                            record_timestamps=True)
+    completions = {}
+    with progress("transformers_cb", len(requests)) as bar:
+        while len(completions) < len(requests):
+            out = manager.get_result(timeout=1)
+            if out is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped before all requests finished")
+                continue
+            if not out.is_finished():
+                continue
+            if out.error:
+                raise RuntimeError(f"transformers continuous batching failed request {out.request_id}: {out.error}")
+            # Its clocks are perf_counter readings taken in the generation thread.
+            ttft = out.timestamps[0] - start_perf if out.timestamps else None
+            completions[out.request_id] = Completion(list(out.generated_tokens), out.lifespan[1] - start_perf, ttft)
+            bar.update(1)
+    return Run(completions, time.time() - start)
+
+
+@measured
+def run_engine(setup: Setup, slots: int, budget: int, name: str = "engine", pack: bool = True) -> Run:
+    from worker.engine import EngineConfig, LLMEngine
+
+    # The pool is sized by the same rule as transformers_cb's, so peak memory compares like for like.
+    blocks = cb_num_blocks(setup.requests, slots, ENGINE_BLOCK_SIZE)
+    config = EngineConfig(max_num_seqs=slots, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
+                          num_blocks=blocks, pack_cpu_linears=pack)
+    engine = LLMEngine(setup.model, setup.tokenizer, config)
+    try:
+        return drive_engine(setup, engine, name)
+    finally:
+        engine.release_model()   # later methods get the model exactly as loaded
+
+
+def drive_engine(setup: Setup, engine, name: str) -> Run:
+    from worker.engine import SamplingParams
+
+    start = time.time()
+    for request in setup.requests:
+        engine.add_request(request.id, prompt_token_ids=request.prompt_ids,
+                           params=SamplingParams(temperature=0.0, max_new_tokens=request.cap))
+    completions, occupancy = {}, []
+    with progress(name, len(setup.requests)) as bar:
+        while engine.has_unfinished():
+            events = engine.step()
+            occupancy.append((time.time() - start, engine.stats().running))
+            for event in events:
+                if event.finished:
+                    if event.finish_reason == "error":
+                        raise RuntimeError(f"{name} failed request {event.request_id}: {event.error}")
+                    ttft = event.first_token_time - start if event.first_token_time else None
+                    completions[event.request_id] = Completion(list(event.token_ids),
+                                                               event.finished_time - start, ttft)
+                    bar.update(1)
+    return Run(completions, time.time() - start, occupancy=occupancy)
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.3f}" if abs(value) < 100 else f"{value:.1f}"
+    return str(value)
+
+
+def format_table(rows: dict[str, dict], first_column: str = "method") -> str:
+    header = [first_column, *METRIC_KEYS]
+    body = [[str(name), *(fmt(metrics[k]) for k in METRIC_KEYS)] for name, metrics in rows.items()]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+             for row in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ratio_lines(methods: dict[str, dict]) -> list[str]:
+    lines = []
+    for ours in ("engine", "engine_best", "engine_dense"):
+        for base in ("static", "transformers_cb"):
+            if ours in methods and base in methods and methods[base]["tokens_per_s"] > 0:
+                ratio = methods[ours]["tokens_per_s"] / methods[base]["tokens_per_s"]
+                lines.append(f"{ours} / {base}: {ratio:.2f}x")
+    return lines
+
+
+def describe(info: dict) -> str:
+    import transformers
+
+    return (f"device={info['device']} dtype={info['dtype']} slots={info['slots']} model={info['model']} "
+            f"torch={torch.__version__} transformers={transformers.__version__} "
+            f"threads={torch.get_num_threads()} python={platform.python_version()}")
+
+
+def plot_methods(path: Path, methods: dict[str, dict], runs: dict[str, Run]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (bars, occupancy) = plt.subplots(1, 2, figsize=(12, 4.5))
+    names = list(methods)
+    values = [methods[n]["tokens_per_s"] for n in names]
+    bars.bar(names, values, color=[COLORS[n] for n in names])
+    for x, v in enumerate(values):
+        bars.text(x, v, f"{v:.1f}", ha="center", va="bottom")
+    bars.set_ylabel("completion tokens / s")
+    bars.set_title("Throughput")
+    engine_runs = {n: r for n, r in runs.items() if r.occupancy}
+    for name, run in engine_runs.items():
+        times, running = zip(*run.occupancy)
+        occupancy.step(times, running, where="post", label=name, color=COLORS[name])
+    if engine_runs:
+        occupancy.legend()
+    else:
+        occupancy.text(0.5, 0.5, "no engine run", ha="center", va="center", transform=occupancy.transAxes)
+    occupancy.set_xlabel("time since start (s)")
+    occupancy.set_ylabel("running sequences")
+    occupancy.set_title("Batch occupancy per step")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(path: Path, sweep: dict[int, dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    slots = list(sweep)
+    throughput = [sweep[s]["tokens_per_s"] for s in slots]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    left.plot(slots, throughput, marker="o")
+    left.set_xscale("log", base=2)
+    left.set_xticks(slots, [str(s) for s in slots])
+    left.set_xlabel("max_num_seqs (slots)")
+    left.set_ylabel("completion tokens / s")
+    left.set_title("Engine throughput vs slots")
+    for key, label in (("e2e_p50_s", "e2e p50"), ("e2e_p95_s", "e2e p95")):
+        right.plot(throughput, [sweep[s][key] for s in slots], marker="o", label=label)
+    for s, x, y in zip(slots, throughput, [sweep[s]["e2e_p95_s"] for s in slots]):
+        right.annotate(str(s), (x, y), textcoords="offset points", xytext=(4, 4))
+    right.set_xlabel("completion tokens / s")
+    right.set_ylabel("latency (s)")
+    right.set_title("Latency vs throughput (labels: slots)")
+    right.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- driver
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__)
+    parser.add_argument("--model", default=os.environ.get("MODEL") or None,
+                        help="HF id, model dir or .gguf (default: env MODEL, else the bundled SmolLM2-135M)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
+    parser.add_argument("--slots", type=int, default=16, help="batch slots N for static, transformers_cb and engine")
+    parser.add_argument("--best-slots", type=int, default=None,
+                        help=f"engine_best max_num_seqs (default: number of requests, at most {BEST_SLOTS_CAP})")
+    parser.add_argument("--best-budget", type=int, default=BEST_BUDGET, help="engine_best max_num_batched_tokens")
+    parser.add_argument("--cb-attn", choices=CB_ATTN_CHOICES, default=DEFAULT_CB_ATTN,
+                        help="attention for transformers_cb (sdpa was faster than paged|eager on CPU)")
+    parser.add_argument("--limit", type=int, default=None, help="use only the first K requests")
+    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--skip", default="", help=f"comma-separated, from: {','.join(SKIPPABLE)}")
+    parser.add_argument("--sweep-slots", default=None,
+                        help="e.g. 1,2,4,8,16,32: measure only the engine at each slot count (no reference run)")
+    parser.add_argument("--ablate", action="store_true",
+                        help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here")
+    parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
+    args = parser.parse_args(argv)
+    args.skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    unknown = args.skip - set(SKIPPABLE)
+    if unknown:
+        parser.error(f"--skip: unknown {sorted(unknown)}; choose from {','.join(SKIPPABLE)}")
+    if args.sweep_slots:
+        try:
+            args.sweep_slots = [int(s) for s in args.sweep_slots.split(",") if s.strip()]
+        except ValueError:
+            parser.error("--sweep-slots takes comma-separated integers, e.g. 1,2,4,8")
+    for name in ("slots", "best_slots", "best_budget", "limit"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def engine_wanted(args: argparse.Namespace) -> bool:
+    return bool(args.sweep_slots) or bool({"engine", "engine_best"} - args.skip)
+
+
+def check_engine_importable() -> None:
+    try:
+        from worker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit(f"worker.engine is not importable ({exc}); add --skip engine,engine_best") from exc
+
+
+def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    requests = load_workload(args.workload, tokenizer, args.limit)
+    eos_ids = eos_ids_of(model, tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
+    info = {"slots": args.slots, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "model": getattr(model, "name_or_source", args.model)}
+    return Setup(model, tokenizer, requests, eos_ids, pad_id), info
+
+
+def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
+    reference = None if "reference" in args.skip else run_reference(setup)
+    best_slots = args.best_slots or min(len(setup.requests), BEST_SLOTS_CAP)
+    plans = {
+        "static": lambda: run_static(setup, args.slots),
+        "transformers_cb": lambda: run_transformers_cb(setup, args.slots, args.cb_attn),
+        "engine": lambda: run_engine(setup, args.slots, ENGINE_BUDGET),
+        "engine_best": lambda: run_engine(setup, best_slots, args.best_budget, name="engine_best"),
+    }
+    if args.ablate:
+        # The engine's scheduling alone, on the same dense matmuls the baselines use.
+        plans["engine_dense"] = lambda: run_engine(setup, args.slots, ENGINE_BUDGET, name="engine_dense", pack=False)
+    runs = {name: plan() for name, plan in plans.items() if name not in args.skip}
+    methods = {name: summarize(run, setup.requests, setup.eos_ids, reference) for name, run in runs.items()}
+    print()
+    print(format_table(methods))
+    print()
+    for line in ratio_lines(methods):
+        print(line)
+    print(describe(info))
+    if "transformers_cb" in runs:
+        print(f"transformers_cb: attn={args.cb_attn} max_requests_per_batch={args.slots} "
+              f"max_batch_tokens={ENGINE_BUDGET}")
+    if "engine_best" in runs:
+        print(f"engine_best: max_num_seqs={best_slots} max_num_batched_tokens={args.best_budget}")
+    if args.plot:
+        plot_methods(args.plot, methods, runs)
+    return {**info, "methods": methods}
+
+
+def sweep(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
+    results = {}
+    for slots in args.sweep_slots:
+        run = run_engine(setup, slots, ENGINE_BUDGET, name=f"engine@{slots}")
+        results[slots] = summarize(run, setup.requests, setup.eos_ids, None)
+    print()
+    print(format_table(results, first_column="slots"))
+    print(describe({**info, "slots": ",".join(map(str, args.sweep_slots))}))
+    if args.plot:
+        plot_sweep(args.plot, results)
+    return {**info, "slots": args.sweep_slots, "sweep": {str(s): m for s, m in results.items()}}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    if engine_wanted(args):
+        check_engine_importable()
+    setup, info = prepare(args)
+    if not setup.requests:
+        raise SystemExit(f"no requests in {args.workload}")
+    warm_up(setup)
+    result = sweep(args, setup, info) if args.sweep_slots else compare(args, setup, info)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -408,3 +408,17 @@ def test_shutdown_ends_open_streams_with_an_error(tiny):
     assert final.finish_reason == "error" and "retry" in final.error
     with pytest.raises(RuntimeError, match="start"):
         engine.submit("late", prompt_token_ids=[1, 2, 3])
+
+
+def test_shutdown_fails_requests_that_were_never_scheduled(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, num_blocks=64))
+    engine.start()
+    with engine._lock:   # hold the loop back so the requests stay in the inbox
+        streams = [engine.submit(f"q{i}", prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(5)) for i in range(3)]
+        engine._stopping = True
+        engine._lock.notify()
+    engine.shutdown()
+    for stream in streams:
+        final = list(stream)[-1]
+        assert isinstance(final, RequestFinished) and final.finish_reason == "error"

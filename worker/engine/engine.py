@@ -278,9 +278,11 @@ class LLMEngine:
                 events += self.abort_request(request_id)
             events += self.step()
             self._dispatch(events)
-        # Nobody waits forever on a stopped engine.
+        # Nobody waits forever on a stopped engine: fail what is queued, running or not yet drained.
+        with self._lock:
+            pending, self._inbox = self._inbox, []
         events = []
-        for seq in list(self.seqs.values()) + inbox:
+        for seq in list(self.seqs.values()) + pending:
             events += self._finish(seq, "error", error="The engine shut down before the answer finished; retry.")
         self._dispatch(events)
 

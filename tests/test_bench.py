@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 from tests.tiny_model import make_tiny_model_dir
 from worker import bench
 from worker.model_loader import load_tokenizer
+
+WORKLOAD = str(bench.REPO_ROOT / "worker" / "data" / "workload.json")
 
 METRIC_TYPES = {
     "tokens_per_s": float, "wall_s": float, "e2e_p50_s": float, "e2e_p95_s": float, "ttft_p50_s": float,
@@ -23,8 +26,8 @@ def tiny_dir(tmp_path_factory):
 
 def test_bench_writes_full_schema_and_plot(tiny_dir, tmp_path):
     out_json, out_png = tmp_path / "out.json", tmp_path / "out.png"
-    result = bench.main(["--model", str(tiny_dir), "--device", "cpu", "--limit", "6", "--slots", "2", "--ablate",
-                         "--json", str(out_json), "--plot", str(out_png)])
+    result = bench.main(["--model", str(tiny_dir), "--workload", WORKLOAD, "--device", "cpu", "--limit", "6",
+                         "--slots", "2", "--ablate", "--json", str(out_json), "--plot", str(out_png)])
 
     data = json.loads(out_json.read_text())
     assert data == json.loads(json.dumps(result))
@@ -51,7 +54,7 @@ def test_bench_writes_full_schema_and_plot(tiny_dir, tmp_path):
 
 def test_skip_leaves_methods_out_and_reference_off(tiny_dir, tmp_path):
     out_json = tmp_path / "out.json"
-    bench.main(["--model", str(tiny_dir), "--device", "cpu", "--limit", "2", "--slots", "2",
+    bench.main(["--model", str(tiny_dir), "--workload", WORKLOAD, "--device", "cpu", "--limit", "2", "--slots", "2",
                 "--skip", "reference,transformers_cb,engine,engine_best", "--json", str(out_json)])
     methods = json.loads(out_json.read_text())["methods"]
     assert set(methods) == {"static"}
@@ -65,7 +68,8 @@ def test_unknown_skip_is_rejected():
 
 def test_sweep_measures_the_engine_at_each_slot_count(tiny_dir, tmp_path):
     out_json, out_png = tmp_path / "sweep.json", tmp_path / "sweep.png"
-    bench.main(["--model", str(tiny_dir), "--device", "cpu", "--limit", "4", "--sweep-slots", "1,4",
+    bench.main(["--model", str(tiny_dir), "--workload", WORKLOAD, "--device", "cpu", "--limit", "4",
+                "--sweep-slots", "1,4",
                 "--json", str(out_json), "--plot", str(out_png)])
     data = json.loads(out_json.read_text())
     assert data["slots"] == [1, 4] and set(data["sweep"]) == {"1", "4"}
@@ -78,7 +82,7 @@ def test_engine_run_hands_the_model_back_unchanged(tiny_dir):
     from worker.model_loader import load_model
 
     model, tokenizer = load_model(str(tiny_dir))
-    setup = bench.Setup(model, tokenizer, bench.load_workload(bench.DEFAULT_WORKLOAD, tokenizer, 2),
+    setup = bench.Setup(model, tokenizer, bench.load_workload(Path(WORKLOAD), tokenizer, 2),
                         bench.eos_ids_of(model, tokenizer), tokenizer.pad_token_id)
     before = model.config._attn_implementation
     bench.run_engine(setup, 2, 64)

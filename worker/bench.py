@@ -24,7 +24,9 @@ from transformers.generation.streamers import BaseStreamer
 from worker.model_loader import load_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_WORKLOAD = REPO_ROOT.parent / "shared" / "bench" / "workload.json"
+SHARED_WORKLOAD = REPO_ROOT.parent / "shared" / "bench" / "workload.json"
+# The same workload ships in the repo for checkouts without the shared folder beside them.
+DEFAULT_WORKLOAD = SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else REPO_ROOT / "worker" / "data" / "workload.json"
 METHODS = ("static", "transformers_cb", "engine", "engine_best")
 SKIPPABLE = (*METHODS, "reference")
 ENGINE_BUDGET = 512

@@ -1,1 +1,18 @@
 """SQLAlchemy models shared by the web app and the worker: conversations, messages, latency records."""
+
+from models.base import Base, UTCDateTime, utcnow
+from models.chat import ROLES, Conversation, Message, new_conversation_id
+from models.records import FINISH_REASONS, SOURCES, RequestRecord
+
+__all__ = [
+    "FINISH_REASONS",
+    "ROLES",
+    "SOURCES",
+    "Base",
+    "Conversation",
+    "Message",
+    "RequestRecord",
+    "UTCDateTime",
+    "new_conversation_id",
+    "utcnow",
+]

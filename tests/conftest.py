@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from models.db import make_engine, make_session_factory, upgrade
+from tests.stack import Stack, base_env
 from tests.tiny_model import make_tiny_model_dir
+from worker.local_redis import start_redis
 from worker.model_loader import load_model, load_tokenizer
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -37,3 +40,27 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="session")
 def real_model():
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory, tiny_model_dir):
+    """The running system on the tiny model: private Redis, SQLite, one worker, two web processes."""
+    workdir = tmp_path_factory.mktemp("stack")
+    redis_proc, redis_url = start_redis(workdir / "redis")
+    database_url = f"sqlite:///{workdir / 'chat.db'}"
+    upgrade(database_url)
+    s = Stack(workdir, base_env(redis_url, database_url, tiny_model_dir, workdir))
+    try:
+        s.start_worker()
+        s.start_web()
+        s.start_web()   # a second web process: answers must reach clients on either
+        yield s
+    finally:
+        s.stop()
+        redis_proc.terminate()
+        redis_proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def db(stack):
+    return make_session_factory(make_engine(stack.env["DATABASE_URL"]))

@@ -1,0 +1,91 @@
+"""`make run`: migrate, start Redis (unless REDIS_URL is set), the worker and the web app; restart what dies."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+RUN_DIR = ROOT / "instance" / "run"
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: list[float] = field(default_factory=list)
+
+    def start(self) -> None:
+        log = open(RUN_DIR / f"{self.name}.log", "ab")
+        self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+
+    def stop(self, timeout: float = 10) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def main() -> int:
+    from models.db import default_database_url, upgrade
+    from worker.local_redis import start_redis
+
+    RUN_DIR.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.setdefault("DATABASE_URL", default_database_url())
+    upgrade(env["DATABASE_URL"])
+    redis_proc = None
+    if "REDIS_URL" not in env:
+        redis_proc, env["REDIS_URL"] = start_redis(RUN_DIR / "redis")
+    slots = env.get("MAX_NUM_SEQS", "16")
+    children = [
+        Child("worker", [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
+                         "--concurrency", slots, "--queues", "generate", "--loglevel", "INFO",
+                         "--hostname", "worker@%h"], env),
+        Child("web", [sys.executable, "-m", "webapp"], env),
+    ]
+    stopping = False
+
+    def request_stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, request_stop)
+    signal.signal(signal.SIGTERM, request_stop)
+    for child in children:
+        child.start()
+    port = env.get("PORT", "5000")
+    print(f"supportbot: http://127.0.0.1:{port}/  (Redis {env['REDIS_URL']}, database {env['DATABASE_URL']})")
+    print(f"logs in {RUN_DIR}; Ctrl-C stops everything", flush=True)
+    try:
+        while not stopping:
+            for child in children:
+                if child.proc.poll() is not None and not stopping:
+                    child.restarts = [t for t in child.restarts if t > time.time() - 60] + [time.time()]
+                    print(f"supportbot: {child.name} exited with {child.proc.returncode}; restarting "
+                          f"(see {RUN_DIR / (child.name + '.log')})", flush=True)
+                    time.sleep(min(10, len(child.restarts)))   # back off if it keeps dying
+                    child.start()
+            time.sleep(0.5)
+    finally:
+        for child in reversed(children):
+            child.stop()
+        if redis_proc is not None:
+            redis_proc.terminate()
+            redis_proc.wait(10)
+        print("supportbot: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

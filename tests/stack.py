@@ -1,0 +1,84 @@
+"""Start the real system for tests: a private Redis, a Celery worker on a tiny model, web processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+import requests
+
+from worker.local_redis import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_for(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log.read_text()[-3000:] if log else ''}")
+        try:
+            if check():
+                return
+        except Exception:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{what} not ready after {timeout}s:\n{log.read_text()[-3000:] if log else ''}")
+
+
+@dataclass
+class Stack:
+    workdir: Path
+    env: dict[str, str]
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    web_urls: list[str] = field(default_factory=list)
+    worker: subprocess.Popen | None = None
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
+        log = self.workdir / f"{name}.log"
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT)
+        self.procs.append(proc)
+        return proc, log
+
+    def start_worker(self, **extra: str) -> subprocess.Popen:
+        env = {**self.env, **extra}
+        proc, log = self.spawn("worker", [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
+                                          "--pool", "threads", "--concurrency", env.get("MAX_NUM_SEQS", "4"),
+                                          "--queues", "generate", "--loglevel", "INFO", "--hostname",
+                                          f"test{len(self.procs)}@%h", "--without-gossip", "--without-mingle"], env)
+        r = redis.Redis.from_url(self.env["REDIS_URL"])
+        wait_for(lambda: any(r.scan_iter("supportbot:workers:*")), 120, "worker", proc, log)
+        self.worker = proc
+        return proc
+
+    def start_web(self, **extra: str) -> str:
+        port = free_port()
+        proc, log = self.spawn(f"web{port}", [sys.executable, "-m", "webapp"], {**self.env, "PORT": str(port), **extra})
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: requests.get(url + "/healthz", timeout=1).ok, 60, "web app", proc, log)
+        self.web_urls.append(url)
+        return url
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def base_env(redis_url: str, database_url: str, model_dir: Path, workdir: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATABASE_URL", "REDIS_URL")}
+    env.update(REDIS_URL=redis_url, DATABASE_URL=database_url, MODEL=str(model_dir), MAX_NUM_SEQS="4",
+               KV_CACHE_GIB="0.05", SECRET_KEY="test-secret", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
+               TEMPERATURE="0", MAX_NEW_TOKENS="24", VISIBILITY_TIMEOUT="30")
+    return env

@@ -1,0 +1,174 @@
+"""The chat end to end: Socket.IO clients -> web app -> Celery on Redis -> worker engine -> pub/sub -> SQL."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import pytest
+import redis
+import requests
+import socketio
+
+from models import Message, RequestRecord
+
+
+class ChatClient:
+    """A browser stand-in: the session cookie from the page, then a websocket Socket.IO connection."""
+
+    def __init__(self, url: str, http: requests.Session | None = None) -> None:
+        self.http = http or requests.Session()
+        self.http.get(url + "/").raise_for_status()
+        self.events: queue.Queue = queue.Queue()
+        self.sio = socketio.Client(http_session=self.http, reconnection=False)
+        for name in ("accepted", "token", "done", "error"):
+            self.sio.on(name, lambda data, name=name: self.events.put((name, data)))
+        self.sio.connect(url, transports=["websocket"], wait_timeout=10)
+
+    def next(self, timeout: float = 60) -> tuple[str, dict]:
+        return self.events.get(timeout=timeout)
+
+    def ask(self, text: str, conversation_id: str | None = None, timeout: float = 60) -> dict:
+        payload = {"text": text} | ({"conversation_id": conversation_id} if conversation_id else {})
+        self.sio.emit("chat_message", payload)
+        name, accepted = self.next(timeout)
+        assert name == "accepted", (name, accepted)
+        tokens, deadline = [], time.monotonic() + timeout
+        while True:
+            name, data = self.next(max(0.1, deadline - time.monotonic()))
+            assert data.get("request_id") == accepted["request_id"], data
+            if name == "token":
+                tokens.append(data["text"])
+            elif name == "done":
+                return {"accepted": accepted, "tokens": tokens, "done": data}
+            else:
+                raise AssertionError(f"unexpected {name}: {data}")
+
+    def close(self) -> None:
+        self.sio.disconnect()
+
+
+@pytest.fixture()
+def client(stack):
+    c = ChatClient(stack.web_urls[0])
+    yield c
+    c.close()
+
+
+def test_a_message_streams_tokens_then_done_and_is_recorded(client, db):
+    result = client.ask("Where is my parcel? It was due on Monday.")
+    done = result["done"]
+    assert len(result["tokens"]) >= 2, "the answer should stream in several deltas"
+    assert "".join(result["tokens"]) == done["text"]
+    assert done["finish_reason"] in ("stop", "length") and done["completion_tokens"] > 0
+    with db() as s:
+        record = s.get(RequestRecord, done["request_id"])
+        assert record.enqueued_at <= record.admitted_at <= record.first_token_at <= record.finished_at
+        assert record.finish_reason == done["finish_reason"] and record.prompt_tokens == done["prompt_tokens"]
+        assert record.worker and record.model and record.batch_size >= 1
+        answer = s.query(Message).filter_by(request_id=done["request_id"]).one()
+        assert answer.role == "assistant" and answer.content == done["text"]
+
+
+def test_the_second_message_sees_the_first(client, db):
+    first = client.ask("Do you ship to Canada?")["done"]
+    second = client.ask("And to Mexico?", conversation_id=first["conversation_id"])["done"]
+    assert second["conversation_id"] == first["conversation_id"]
+    # The second prompt carries the first question and answer as history.
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["completion_tokens"]
+    with db() as s:
+        roles = [m.role for m in s.query(Message).filter_by(conversation_id=first["conversation_id"])
+                 .order_by(Message.id)]
+    assert roles == ["user", "assistant", "user", "assistant"]
+
+
+def test_clients_on_two_web_processes_each_get_their_own_answers(stack):
+    a, b = ChatClient(stack.web_urls[0]), ChatClient(stack.web_urls[1])
+    try:
+        a.sio.emit("chat_message", {"text": "Hello from A"})
+        b.sio.emit("chat_message", {"text": "Hello from B"})
+        for c in (a, b):
+            events = []
+            while not events or events[-1][0] != "done":
+                events.append(c.next())
+            ids = {data["request_id"] for _, data in events}
+            assert len(ids) == 1, "a client must only see its own request's events"
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("payload, code", [
+    ({"text": "   "}, "empty_message"),
+    ({"text": "x" * 5000}, "message_too_long"),
+    ("just a string", "bad_request"),
+    ({"text": 42}, "empty_message"),
+    ({"text": "hi", "conversation_id": "0" * 32}, "unknown_conversation"),
+    ({"text": "hi", "conversation_id": ["not", "a", "string"]}, "bad_request"),
+])
+def test_bad_input_gets_a_clear_error(client, payload, code):
+    client.sio.emit("chat_message", payload)
+    name, data = client.next(10)
+    assert name == "error" and data["code"] == code and data["retryable"] is False
+    assert len(data["message"]) > 10
+
+
+def test_another_session_cannot_use_a_conversation(stack, client):
+    mine = client.ask("Is the teapot in stock?")["done"]["conversation_id"]
+    stranger = ChatClient(stack.web_urls[0])
+    try:
+        stranger.sio.emit("chat_message", {"text": "show me", "conversation_id": mine})
+        name, data = stranger.next(10)
+        assert name == "error" and data["code"] == "unknown_conversation"
+        assert requests.get(f"{stack.web_urls[0]}/conversations/{mine}").status_code == 404
+        assert client.http.get(f"{stack.web_urls[0]}/conversations/{mine}").status_code == 200
+    finally:
+        stranger.close()
+
+
+def test_cancel_mid_answer_frees_the_slot_and_records_cancelled(stack, db):
+    web = stack.web_urls[0]
+    c = ChatClient(web)
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    try:
+        # This web process answers at length, so there is time to press stop.
+        long_web = stack.start_web(MAX_NEW_TOKENS="2000")
+        c.close()
+        c = ChatClient(long_web)
+        c.sio.emit("chat_message", {"text": "Tell me everything about your return policy."})
+        name, accepted = c.next()
+        assert name == "accepted"
+        name, _ = c.next()
+        assert name == "token"
+        c.sio.emit("cancel", {"request_id": accepted["request_id"]})
+        while True:
+            name, data = c.next()
+            if name == "done":
+                break
+        assert data["finish_reason"] == "cancelled" and data["completion_tokens"] < 2000
+        with db() as s:
+            assert s.get(RequestRecord, accepted["request_id"]).finish_reason == "cancelled"
+        time.sleep(2.5)   # one heartbeat
+        beats = [r.get(k) for k in r.scan_iter("supportbot:workers:*")]
+        assert all(b'"running": 0' in b for b in beats)
+    finally:
+        c.close()
+
+
+def test_readyz_reports_redis_database_and_a_live_worker(stack):
+    body = requests.get(stack.web_urls[0] + "/readyz").json()
+    assert body["status"] == "ready", body
+    assert requests.get(stack.web_urls[0] + "/healthz").json() == {"status": "ok"}
+
+
+def test_a_prompt_over_the_context_is_refused_through_the_stack(client, db):
+    # The tiny model's context is 512 tokens; 3900 characters of digits is far more.
+    client.sio.emit("chat_message", {"text": " ".join(str(i) for i in range(1000))[:3900]})
+    name, accepted = client.next()
+    assert name == "accepted"
+    name, data = client.next()
+    assert name == "error" and data["code"] == "prompt_too_long" and data["retryable"] is False
+    assert "shorten" in data["message"]
+    with db() as s:
+        record = s.get(RequestRecord, accepted["request_id"])
+        assert record.finish_reason == "error" and record.finished_at is not None

@@ -1,0 +1,149 @@
+"""The customer chat: the page, and the Socket.IO events that queue messages and cancel answers."""
+
+from __future__ import annotations
+
+import uuid
+
+from flask import Blueprint, current_app, render_template, request, session
+from flask_socketio import emit, join_room
+
+from models import Conversation, Message, RequestRecord
+
+from . import queue, socketio
+from .queue import UserError
+
+bp = Blueprint("chat", __name__)
+
+# Request ids in flight per socket, so a closed tab cancels its answers.
+_in_flight: dict[str, set[str]] = {}
+
+
+def owner_id() -> str:
+    if "owner" not in session:
+        session["owner"] = uuid.uuid4().hex
+    return session["owner"]
+
+
+def own_conversation(db, conversation_id: object) -> Conversation:
+    """The caller's conversation; someone else's reads exactly like one that does not exist."""
+    conv = db.get(Conversation, conversation_id) if isinstance(conversation_id, str) else None
+    if conv is None or conv.owner != owner_id():
+        raise UserError("unknown_conversation", "This conversation does not exist or is not yours; "
+                                                "start a new conversation.")
+    return conv
+
+
+@bp.get("/")
+def page():
+    history, conversation_id = [], request.args.get("c")
+    if conversation_id:
+        with current_app.extensions["db"]() as db:
+            try:
+                conv = own_conversation(db, conversation_id)
+                history = [{"role": m.role, "content": m.content} for m in conv.messages]
+            except UserError:
+                conversation_id = None
+    owner_id()
+    return render_template("chat.html", conversation_id=conversation_id, history=history,
+                           shop_name=current_app.config["SHOP_NAME"])
+
+
+def validate_message(payload: object) -> tuple[str, str | None]:
+    if not isinstance(payload, dict):
+        raise UserError("bad_request", "Send an object like {\"text\": \"...\", \"conversation_id\": \"...\"}.")
+    text, conversation_id = payload.get("text"), payload.get("conversation_id")
+    if not isinstance(text, str) or not text.strip():
+        raise UserError("empty_message", "Type a message before sending.")
+    limit = current_app.config["MAX_MESSAGE_CHARS"]
+    if len(text) > limit:
+        raise UserError("message_too_long", f"Messages can be at most {limit} characters; "
+                                            f"this one has {len(text)}. Shorten it or split it.")
+    if conversation_id is not None and not isinstance(conversation_id, str):
+        raise UserError("bad_request", "conversation_id must be a string; omit it to start a new conversation.")
+    return text.strip(), conversation_id
+
+
+@socketio.on("connect")
+def on_connect(auth=None):
+    owner_id()
+    _in_flight[request.sid] = set()
+
+
+@socketio.on("disconnect")
+def on_disconnect(*_):
+    for request_id in _in_flight.pop(request.sid, set()):
+        queue.cancel(request_id)
+
+
+@socketio.on("join")
+def on_join(payload=None):
+    """Re-attach a reloaded page to its conversation's room, so answers still streaming reach it."""
+    try:
+        conversation_id = payload.get("conversation_id") if isinstance(payload, dict) else None
+        with current_app.extensions["db"]() as db:
+            own_conversation(db, conversation_id)
+        join_room(conversation_id)
+    except UserError as exc:
+        emit("error", {"code": exc.code, "message": exc.message, "retryable": exc.retryable})
+
+
+@socketio.on("chat_message")
+def on_chat_message(payload=None):
+    try:
+        text, conversation_id = validate_message(payload)
+        queue.check_room()
+        job = enqueue_chat(text, conversation_id)
+    except UserError as exc:
+        emit("error", {"code": exc.code, "message": exc.message, "retryable": exc.retryable})
+        return
+    _in_flight.setdefault(request.sid, set()).add(job["request_id"])
+    join_room(job["conversation_id"])
+    emit("accepted", {"request_id": job["request_id"], "conversation_id": job["conversation_id"]})
+
+
+def enqueue_chat(text: str, conversation_id: str | None) -> dict:
+    """Store the message and its request record, then queue it; an unqueued message is marked failed."""
+    cfg = current_app.config
+    with current_app.extensions["db"]() as db:
+        conv = own_conversation(db, conversation_id) if conversation_id else Conversation(owner=owner_id())
+        db.add(conv)
+        db.flush()
+        history = [{"role": m.role, "content": m.content} for m in conv.messages]
+        job = queue.new_job([{"role": "system", "content": cfg["SYSTEM_PROMPT"]}, *history,
+                             {"role": "user", "content": text}],
+                            {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"],
+                             "max_new_tokens": cfg["MAX_NEW_TOKENS"]},
+                            source="chat", conversation_id=conv.id)
+        db.add(Message(conversation_id=conv.id, role="user", content=text))
+        db.add(queue.record_for(job))
+        db.commit()
+    queue.send(job)
+    return job
+
+
+@socketio.on("cancel")
+def on_cancel(payload=None):
+    request_id = payload.get("request_id") if isinstance(payload, dict) else None
+    with current_app.extensions["db"]() as db:
+        record = db.get(RequestRecord, request_id) if isinstance(request_id, str) else None
+        owned = record is not None and record.conversation_id is not None
+        if owned:
+            try:
+                own_conversation(db, record.conversation_id)
+            except UserError:
+                owned = False
+    if not owned:
+        emit("error", {"request_id": request_id, "code": "unknown_request", "retryable": False,
+                       "message": "There is no answer of yours with that id to stop."})
+        return
+    queue.cancel(request_id)
+
+
+@bp.get("/conversations/<conversation_id>")
+def conversation_json(conversation_id: str):
+    with current_app.extensions["db"]() as db:
+        try:
+            conv = own_conversation(db, conversation_id)
+        except UserError as exc:
+            return {"error": {"code": exc.code, "message": exc.message}}, 404
+        return {"id": conv.id, "messages": [{"role": m.role, "content": m.content} for m in conv.messages]}

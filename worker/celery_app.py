@@ -1,0 +1,39 @@
+"""The Celery app: one durable Redis queue of generation requests, delivered at least once."""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+QUEUE = "generate"
+GENERATE_TASK = "supportbot.generate"
+CANCEL_CHANNEL = "supportbot:cancel"            # web -> worker: abort this request id
+HEARTBEAT_PREFIX = "supportbot:workers:"        # worker -> web: a key per live worker, short TTL
+
+
+def cancelled_key(request_id: str) -> str:
+    """Set when a request is cancelled, so a worker that has not started it yet skips it."""
+    return f"supportbot:cancelled:{request_id}"
+
+
+def make_celery(broker_url: str | None = None) -> Celery:
+    app = Celery("supportbot", broker=broker_url or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    app.conf.update(
+        task_default_queue=QUEUE,
+        task_ignore_result=True,          # answers travel over pub/sub and SQL, not the result backend
+        task_acks_late=True,              # ack after the answer is stored: a dead worker's request comes back
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,     # each thread holds one request; the rest stay queued for others
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            # A request unacked this long is handed out again (long answers finish well within it).
+            "visibility_timeout": int(os.environ.get("VISIBILITY_TIMEOUT", "600")),
+        },
+        task_serializer="json",
+        accept_content=["json"],
+    )
+    return app
+
+
+celery = make_celery()

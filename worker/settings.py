@@ -1,0 +1,24 @@
+"""Worker settings from the environment, with defaults that run on one CPU machine."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+
+def _int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+@dataclass
+class WorkerSettings:
+    redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
+    database_url: str | None = field(default_factory=lambda: os.environ.get("DATABASE_URL"))
+    model: str | None = field(default_factory=lambda: os.environ.get("MODEL") or None)
+    device: str | None = field(default_factory=lambda: os.environ.get("DEVICE") or None)
+    dtype: str | None = field(default_factory=lambda: os.environ.get("DTYPE") or None)
+    max_num_seqs: int = field(default_factory=lambda: _int("MAX_NUM_SEQS", 16))
+    max_num_batched_tokens: int = field(default_factory=lambda: _int("MAX_NUM_BATCHED_TOKENS", 512))
+    kv_cache_gib: float = field(default_factory=lambda: float(os.environ.get("KV_CACHE_GIB", "1.0")))
+    name: str = field(default_factory=lambda: os.environ.get("WORKER_NAME", f"worker@{socket.gethostname()}"))

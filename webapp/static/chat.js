@@ -272,23 +272,24 @@
     finishAnswer(payload.finish_reason || 'stop');
   }
 
+  // Whether an error ends the answer in progress: an error about that request, or a rejection
+  // of the message just sent, which can come before `accepted` has named it.
+  function endsCurrent(payload) {
+    var current = state.current;
+    if (!current) return false;
+    return current.requestId === null || payload.request_id === current.requestId;
+  }
+
   function handleError(payload) {
     payload = payload || {};
     var message = payload.message || 'Something went wrong.';
-    var current = state.current;
-    var id = payload.request_id;
-
-    if (id && current && current.requestId === null) {
-      // A rejection of the message just sent, before `accepted` could name it.
-    } else if (id) {
-      // Errors for answers other than ours (another tab, or one this page already closed) are not ours to show.
-      if (!current || current.requestId !== id) return;
-    } else if (!current || current.requestId !== null) {
-      // Not about a message in flight (e.g. the conversation could not be rejoined): still say so.
-      addToThread(createNotice(message, null));
+    if (!endsCurrent(payload)) {
+      // One with a request_id belongs to another answer (another tab, or one already closed here).
+      // One without is about this page (e.g. the conversation could not be rejoined): say so.
+      if (!payload.request_id) addToThread(createNotice(message, null));
       return;
     }
-
+    var current = state.current;
     // A Stop that reached the queue before the answer started ends as an error; to the reader it is a stop.
     if (payload.code === 'cancelled' && current.cancelRequested) {
       finishAnswer('cancelled');

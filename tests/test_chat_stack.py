@@ -172,3 +172,17 @@ def test_a_prompt_over_the_context_is_refused_through_the_stack(client, db):
     with db() as s:
         record = s.get(RequestRecord, accepted["request_id"])
         assert record.finish_reason == "error" and record.finished_at is not None
+
+
+def test_a_full_queue_refuses_new_messages_with_a_retryable_error(stack, db):
+    full = stack.start_web(QUEUE_LIMIT="0")   # a limit of 0 makes every queue count as full
+    c = ChatClient(full)
+    try:
+        c.sio.emit("chat_message", {"text": "Anyone there?"})
+        name, data = c.next(10)
+        assert name == "error" and data["code"] == "queue_full" and data["retryable"] is True
+        assert "try again" in data["message"]
+    finally:
+        c.close()
+    response = requests.post(full + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"

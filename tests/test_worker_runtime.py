@@ -16,7 +16,8 @@ def test_fit_to_context_drops_oldest_turns_but_keeps_system_and_newest(tiny):
         turns += [{"role": "user", "content": f"Question number {i} about my order"},
                   {"role": "assistant", "content": f"Answer number {i} about your order"}]
     turns.append({"role": "user", "content": "And the newest question?"})
-    fitted = fit_to_context(engine, turns, reserve=40)
+    fitted, ids = fit_to_context(engine, turns, reserve=40)
+    assert ids == engine.render_chat(fitted)
     assert fitted[0] == turns[0] and fitted[-1] == turns[-1]
     assert fitted[1:] == turns[len(turns) - len(fitted) + 1:], "only a run of the oldest turns is dropped"
     assert len(engine.render_chat(fitted)) <= 120 < len(engine.render_chat(turns))

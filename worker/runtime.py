@@ -121,14 +121,17 @@ class WorkerRuntime:
             self._stop.wait(2)
 
 
-def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int) -> list[dict]:
-    """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits."""
+def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int) -> tuple[list[dict], list[int]]:
+    """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits.
+
+    Returns the kept messages and their rendered prompt ids, so the template is rendered once.
+    """
     messages = list(messages)
     budget = engine.max_model_len - reserve
     first = 1 if messages and messages[0].get("role") == "system" else 0
-    while len(engine.render_chat(messages)) > budget:
+    while len(ids := engine.render_chat(messages)) > budget:
         if len(messages) - first <= 1:
             raise InvalidRequestError("This message is too long for the assistant to answer; "
                                       "shorten it or split it into several messages.")
         del messages[first]
-    return messages
+    return messages, ids

@@ -52,8 +52,8 @@ def generate(job: dict) -> None:
         params.validate()
         # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
-        messages = fit_to_context(rt.engine, job["messages"], reserve=reserve)
-        stream = rt.engine.submit(rid, messages=messages, params=params)
+        _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve)
+        stream = rt.engine.submit(rid, prompt_token_ids=prompt_ids, params=params)
     except (InvalidRequestError, InvalidParamsError) as exc:
         if "already in use" in str(exc):   # the same request is being answered in this process
             return

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -38,6 +39,7 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     web_urls: list[str] = field(default_factory=list)
     worker: subprocess.Popen | None = None
+    _webs_by_env: dict[tuple, str] = field(default_factory=dict)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
         log = self.workdir / f"{name}.log"
@@ -51,10 +53,27 @@ class Stack:
                                           "--pool", "threads", "--concurrency", env.get("MAX_NUM_SEQS", "4"),
                                           "--queues", "generate", "--loglevel", "INFO", "--hostname",
                                           f"test{len(self.procs)}@%h", "--without-gossip", "--without-mingle"], env)
-        r = redis.Redis.from_url(self.env["REDIS_URL"])
-        wait_for(lambda: any(r.scan_iter("supportbot:workers:*")), 120, "worker", proc, log)
+        r, started = redis.Redis.from_url(self.env["REDIS_URL"]), time.time()
+
+        def beating() -> bool:   # a heartbeat written by this process, not one left by a killed worker
+            return any(json.loads(r.get(key) or "{}").get("time", 0) > started
+                       for key in r.scan_iter("supportbot:workers:*"))
+
+        wait_for(beating, 120, "worker", proc, log)
         self.worker = proc
         return proc
+
+    def kill_worker(self) -> None:
+        """SIGKILL, as an out-of-memory kill or a power cut would: no shutdown handlers run."""
+        self.worker.kill()
+        self.worker.wait()
+
+    def web_with(self, **extra: str) -> str:
+        """A web process with these settings, started on first use and shared after."""
+        key = tuple(sorted(extra.items()))
+        if key not in self._webs_by_env:
+            self._webs_by_env[key] = self.start_web(**extra)
+        return self._webs_by_env[key]
 
     def start_web(self, **extra: str) -> str:
         port = free_port()
@@ -80,5 +99,6 @@ def base_env(redis_url: str, database_url: str, model_dir: Path, workdir: Path) 
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATABASE_URL", "REDIS_URL")}
     env.update(REDIS_URL=redis_url, DATABASE_URL=database_url, MODEL=str(model_dir), MAX_NUM_SEQS="4",
                KV_CACHE_GIB="0.05", SECRET_KEY="test-secret", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TEMPERATURE="0", MAX_NEW_TOKENS="24", VISIBILITY_TIMEOUT="30")
+               TEMPERATURE="0", MAX_NEW_TOKENS="24", VISIBILITY_TIMEOUT="6")
+    env.update(OPERATOR_PASSWORD="stack-operator-password", METRICS_TOKEN="stack-metrics-token-0123456789abcdef")
     return env

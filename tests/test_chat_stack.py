@@ -2,50 +2,14 @@
 
 from __future__ import annotations
 
-import queue
 import time
 
 import pytest
 import redis
 import requests
-import socketio
 
 from models import Message, RequestRecord
-
-
-class ChatClient:
-    """A browser stand-in: the session cookie from the page, then a websocket Socket.IO connection."""
-
-    def __init__(self, url: str, http: requests.Session | None = None) -> None:
-        self.http = http or requests.Session()
-        self.http.get(url + "/").raise_for_status()
-        self.events: queue.Queue = queue.Queue()
-        self.sio = socketio.Client(http_session=self.http, reconnection=False)
-        for name in ("accepted", "token", "done", "error"):
-            self.sio.on(name, lambda data, name=name: self.events.put((name, data)))
-        self.sio.connect(url, transports=["websocket"], wait_timeout=10)
-
-    def next(self, timeout: float = 60) -> tuple[str, dict]:
-        return self.events.get(timeout=timeout)
-
-    def ask(self, text: str, conversation_id: str | None = None, timeout: float = 60) -> dict:
-        payload = {"text": text} | ({"conversation_id": conversation_id} if conversation_id else {})
-        self.sio.emit("chat_message", payload)
-        name, accepted = self.next(timeout)
-        assert name == "accepted", (name, accepted)
-        tokens, deadline = [], time.monotonic() + timeout
-        while True:
-            name, data = self.next(max(0.1, deadline - time.monotonic()))
-            assert data.get("request_id") == accepted["request_id"], data
-            if name == "token":
-                tokens.append(data["text"])
-            elif name == "done":
-                return {"accepted": accepted, "tokens": tokens, "done": data}
-            else:
-                raise AssertionError(f"unexpected {name}: {data}")
-
-    def close(self) -> None:
-        self.sio.disconnect()
+from tests.clients import ChatClient
 
 
 @pytest.fixture()
@@ -132,7 +96,7 @@ def test_cancel_mid_answer_frees_the_slot_and_records_cancelled(stack, db):
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     try:
         # This web process answers at length, so there is time to press stop.
-        long_web = stack.start_web(MAX_NEW_TOKENS="2000")
+        long_web = stack.web_with(MAX_NEW_TOKENS="2000")
         c.close()
         c = ChatClient(long_web)
         c.sio.emit("chat_message", {"text": "Tell me everything about your return policy."})

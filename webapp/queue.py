@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import secrets
 import time
 import uuid
 from datetime import UTC, datetime
@@ -32,6 +33,8 @@ def check_room() -> None:
 def new_job(messages: list[dict], params: dict, source: str, conversation_id: str | None = None,
             channel: bool = False) -> dict:
     request_id = uuid.uuid4().hex
+    # Fixed now, so a redelivery after a worker crash samples the same tokens and resumes the stream.
+    params = {**params, "seed": params["seed"] if params.get("seed") is not None else secrets.randbits(63)}
     return {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
             "channel": f"supportbot:events:{request_id}" if channel else None, "source": source,
             "enqueued_at": time.time(), "messages": messages, "params": params}

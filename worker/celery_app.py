@@ -17,6 +17,11 @@ def cancelled_key(request_id: str) -> str:
     return f"supportbot:cancelled:{request_id}"
 
 
+def visibility_timeout() -> int:
+    """Seconds after which a request whose worker stopped renewing its lease is handed out again."""
+    return int(os.environ.get("VISIBILITY_TIMEOUT", "20"))
+
+
 def make_celery(broker_url: str | None = None) -> Celery:
     app = Celery("supportbot", broker=broker_url or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     app.conf.update(
@@ -27,8 +32,11 @@ def make_celery(broker_url: str | None = None) -> Celery:
         worker_prefetch_multiplier=1,     # each thread holds one request; the rest stay queued for others
         broker_connection_retry_on_startup=True,
         broker_transport_options={
-            # A request unacked this long is handed out again (long answers finish well within it).
-            "visibility_timeout": int(os.environ.get("VISIBILITY_TIMEOUT", "600")),
+            # Live workers keep renewing what they hold (worker/leases.py), so only a dead worker's
+            # requests age past this; every consumer looks for them every couple of seconds.
+            "visibility_timeout": visibility_timeout(),
+            "unacked_restore_interval": 2,
+            "unacked_restore_throttle": 1,
         },
         task_serializer="json",
         accept_content=["json"],

@@ -14,14 +14,20 @@ from sqlalchemy.exc import IntegrityError
 
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
-from worker.celery_app import CANCEL_CHANNEL, HEARTBEAT_PREFIX
+from worker.celery_app import CANCEL_CHANNEL, HEARTBEAT_PREFIX, visibility_timeout
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished
+from worker.leases import Leases
 from worker.model_loader import load_model
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 10
+STREAMED_TTL_S = 3600
+
+
+def streamed_key(request_id: str) -> str:
+    return f"supportbot:streamed:{request_id}"
 
 
 def utc(ts: float | None) -> datetime | None:
@@ -39,6 +45,8 @@ class WorkerRuntime:
             kv_cache_memory_gib=s.kv_cache_gib))
         self.engine.start()
         self.redis = redis.Redis.from_url(s.redis_url)
+        self.leases = Leases(self.redis, visibility_timeout())
+        self.leases.start()
         self.emitter = SocketIO(message_queue=s.redis_url)   # emits into every web process's rooms
         self.sessions = make_session_factory(make_engine(s.database_url))
         self._stop = threading.Event()
@@ -54,6 +62,15 @@ class WorkerRuntime:
             self.emitter.emit(event, payload, to=job["room"])
         if job.get("channel"):
             self.redis.publish(job["channel"], json.dumps({"event": event, **payload}))
+
+    def stream_text(self, job: dict, text: str) -> None:
+        """Send a text delta and count it, so a redelivery of this request resumes after it."""
+        self.emit("token", {"request_id": job["request_id"], "text": text}, job)
+        key = streamed_key(job["request_id"])
+        self.redis.pipeline(transaction=False).incrby(key, len(text)).expire(key, STREAMED_TTL_S).execute()
+
+    def streamed_chars(self, request_id: str) -> int:
+        return int(self.redis.get(streamed_key(request_id)) or 0)
 
     def store(self, job: dict, done: RequestFinished) -> bool:
         """Write the answer and the latency record together; False if this request was answered before."""
@@ -79,10 +96,15 @@ class WorkerRuntime:
                 return False
         return True
 
-    def answered(self, request_id: str) -> bool:
+    def stored_outcome(self, job: dict) -> tuple[str, dict] | None:
+        """The final event of a request whose answer is already stored, or None."""
         with self.sessions() as db:
-            record = db.get(RequestRecord, request_id)
-            return record is not None and record.finished_at is not None
+            record = db.get(RequestRecord, job["request_id"])
+            if record is None or record.finished_at is None:
+                return None
+            answer = db.query(Message).filter_by(request_id=job["request_id"]).one_or_none()
+            return outcome(job, record.finish_reason, answer.content if answer else "", record.prompt_tokens or 0,
+                           record.completion_tokens or 0, record.error)
 
     def fail(self, job: dict, code: str, message: str) -> None:
         """A request that cannot be answered still ends with a record and an `error` event."""
@@ -119,6 +141,17 @@ class WorkerRuntime:
             except redis.ConnectionError:
                 pass
             self._stop.wait(2)
+
+
+def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, completion_tokens: int,
+            error: str | None = None) -> tuple[str, dict]:
+    """The event that ends a request for its client: `done`, or `error` when generation failed."""
+    if finish_reason == "error":
+        return "error", {"request_id": job["request_id"], "code": "generation_failed", "retryable": True,
+                         "message": error or "The assistant failed while answering; please send your message again."}
+    return "done", {"request_id": job["request_id"], "conversation_id": job.get("conversation_id"), "text": text,
+                    "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
+                    "completion_tokens": completion_tokens}
 
 
 def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int) -> tuple[list[dict], list[int]]:

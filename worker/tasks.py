@@ -5,11 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import task_postrun, task_received, worker_init, worker_shutdown
 
 from worker.celery_app import GENERATE_TASK, cancelled_key, celery
 from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams, TokenDelta
-from worker.runtime import WorkerRuntime, fit_to_context
+from worker.runtime import WorkerRuntime, fit_to_context, outcome
 
 log = logging.getLogger(__name__)
 
@@ -34,15 +34,27 @@ def _load_before_consuming(**_) -> None:
 @worker_shutdown.connect
 def _stop_engine(**_) -> None:
     if _runtime is not None:
+        _runtime.leases.stop()
         _runtime.engine.shutdown()
+
+
+@task_received.connect
+def _take_lease(request=None, **_) -> None:
+    runtime().leases.hold(request.id, request.message.delivery_tag)
+
+
+@task_postrun.connect
+def _drop_lease(task_id=None, **_) -> None:
+    runtime().leases.release(task_id)
 
 
 @celery.task(name=GENERATE_TASK, acks_late=True, reject_on_worker_lost=True)
 def generate(job: dict) -> None:
     rt = runtime()
     rid = job["request_id"]
-    if rt.answered(rid):   # a redelivery of a request already answered: show it, do not generate again
+    if (stored := rt.stored_outcome(job)) is not None:   # answered before: show it again, never regenerate
         log.info("request %s was answered before; not generating again", rid)
+        rt.emit(*stored, job)
         return
     if rt.redis.exists(cancelled_key(rid)):
         rt.fail(job, "cancelled", "The request was cancelled before it started.")
@@ -59,18 +71,15 @@ def generate(job: dict) -> None:
             return
         rt.fail(job, "prompt_too_long" if "too long" in str(exc) else "invalid_request", str(exc))
         return
+    # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
+    # so the customer's stream resumes after what an earlier delivery already showed.
+    skip = rt.streamed_chars(rid)
     for event in stream:
         if isinstance(event, TokenDelta):
-            if event.text:
-                rt.emit("token", {"request_id": rid, "text": event.text}, job)
+            text, skip = event.text[skip:], max(0, skip - len(event.text))
+            if text:
+                rt.stream_text(job, text)
             continue
-        if not rt.store(job, event):
-            return
-        if event.finish_reason == "error":
-            rt.emit("error", {"request_id": rid, "code": "generation_failed", "retryable": True,
-                              "message": "The assistant failed while answering; please send your message again."},
+        if rt.store(job, event):   # False: another delivery stored (and showed) this answer first
+            rt.emit(*outcome(job, event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens),
                     job)
-        else:
-            rt.emit("done", {"request_id": rid, "conversation_id": job.get("conversation_id"), "text": event.text,
-                             "finish_reason": event.finish_reason, "prompt_tokens": event.prompt_tokens,
-                             "completion_tokens": event.completion_tokens}, job)

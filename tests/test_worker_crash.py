@@ -1,0 +1,100 @@
+"""A worker killed with SIGKILL mid-answer: after a restart every accepted request ends with one stored answer."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import requests
+
+from models import Message, RequestRecord
+from tests.clients import ChatClient
+
+QUESTIONS = ["My order #1042 has not arrived, where is it?", "Can I return shoes I wore once?",
+             "Do you ship to Norway?"]
+API_MESSAGES = {"stream": "How long does a refund take?", "plain": "Can I change my delivery address?"}
+
+
+def ask_api(url: str, text: str, stream: bool) -> dict:
+    """One OpenAI-style request; returns its id and the text as the client received it."""
+    body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0,
+            "max_tokens": 2000, "stream": stream}
+    with requests.post(url + "/v1/chat/completions", json=body, stream=stream, timeout=180) as r:
+        r.raise_for_status()
+        if not stream:
+            data = r.json()
+            return {"id": data["id"], "text": data["choices"][0]["message"]["content"]}
+        chunks, rid = [], None
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                rid = chunk["id"]
+                chunks.append(chunk["choices"][0]["delta"].get("content") or "")
+        return {"id": rid, "text": "".join(chunks)}
+
+
+def collect(client: ChatClient, timeout: float) -> list[tuple[str, dict]]:
+    events, deadline = [], time.monotonic() + timeout
+    while not events or events[-1][0] not in ("done", "error"):
+        events.append(client.next(max(0.1, deadline - time.monotonic())))
+    return events
+
+
+def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack, db):
+    url = stack.web_with(MAX_NEW_TOKENS="2000")   # long answers, so the kill lands mid-stream
+    clients = [ChatClient(url) for _ in QUESTIONS]
+    api_results: dict[str, dict] = {}
+    api_threads = [threading.Thread(target=lambda kind=kind, text=text: api_results.__setitem__(
+        kind, ask_api(url, text, stream=kind == "stream"))) for kind, text in API_MESSAGES.items()]
+    try:
+        # Five requests on four slots: some are being answered, one waits in the queue.
+        for client, question in zip(clients, QUESTIONS):
+            client.sio.emit("chat_message", {"text": question})
+        for t in api_threads:
+            t.start()
+        first = [client.next(30) for client in clients]
+        assert all(name == "accepted" for name, _ in first), first
+        before_kill = [[] for _ in clients]
+        while not any(name == "token" for events in before_kill for name, _ in events):
+            for client, events in zip(clients, before_kill):
+                if not client.events.empty():
+                    events.append(client.next())
+            time.sleep(0.005)
+
+        stack.kill_worker()
+        assert not any(events and events[-1][0] == "done" for events in before_kill), \
+            "every answer finished before the kill; the test needs longer answers"
+        killed_at = time.monotonic()
+        stack.start_worker()
+        restarted_at = time.monotonic()
+
+        streams = [events + collect(client, 120) for client, events in zip(clients, before_kill)]
+        for t in api_threads:
+            t.join(180)
+        print(f"\nworker restarted in {restarted_at - killed_at:.1f} s; all answers done "
+              f"{time.monotonic() - restarted_at:.1f} s later")
+    finally:
+        for client in clients:
+            client.close()
+
+    for (_, accepted), events in zip(first, streams):
+        name, done = events[-1]
+        assert name == "done", events[-1]
+        assert done["finish_reason"] in ("stop", "length")
+        shown = "".join(data["text"] for name, data in events if name == "token")
+        assert shown == done["text"], "the stream showed text twice or skipped some"
+        with db() as s:
+            answers = s.query(Message).filter_by(request_id=accepted["request_id"]).all()
+            record = s.get(RequestRecord, accepted["request_id"])
+        assert [a.content for a in answers] == [done["text"]]
+        assert record.finished_at is not None and record.completion_tokens == done["completion_tokens"]
+
+    # The HTTP clients got exactly the answer an undisturbed greedy run gives.
+    assert set(api_results) == set(API_MESSAGES)
+    for kind, text in API_MESSAGES.items():
+        assert api_results[kind]["text"] == ask_api(url, text, stream=False)["text"], kind
+        with db() as s:
+            record = s.get(RequestRecord, api_results[kind]["id"].removeprefix("chatcmpl-"))
+        assert record.finished_at is not None and record.finish_reason in ("stop", "length")

@@ -47,10 +47,9 @@ def main() -> int:
     redis_proc = None
     if "REDIS_URL" not in env:
         redis_proc, env["REDIS_URL"] = start_redis(RUN_DIR / "redis")
-    slots = env.get("MAX_NUM_SEQS", "16")
     children = [
         Child("worker", [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
-                         "--concurrency", slots, "--queues", "generate", "--loglevel", "INFO",
+                         "--queues", "generate", "--loglevel", "INFO",
                          "--hostname", "worker@%h"], env),
         Child("web", [sys.executable, "-m", "webapp"], env),
     ]

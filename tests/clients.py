@@ -24,8 +24,8 @@ class ChatClient:
     def next(self, timeout: float = 60) -> tuple[str, dict]:
         return self.events.get(timeout=timeout)
 
-    def ask(self, text: str, conversation_id: str | None = None, timeout: float = 60) -> dict:
-        payload = {"text": text} | ({"conversation_id": conversation_id} if conversation_id else {})
+    def ask(self, text: str, conversation_id: str | None = None, timeout: float = 60, **extra) -> dict:
+        payload = {"text": text, **extra} | ({"conversation_id": conversation_id} if conversation_id else {})
         self.sio.emit("chat_message", payload)
         name, accepted = self.next(timeout)
         assert name == "accepted", (name, accepted)

@@ -50,7 +50,7 @@ class Stack:
     def start_worker(self, **extra: str) -> subprocess.Popen:
         env = {**self.env, **extra}
         proc, log = self.spawn("worker", [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
-                                          "--pool", "threads", "--concurrency", env.get("MAX_NUM_SEQS", "4"),
+                                          "--pool", "threads",
                                           "--queues", "generate", "--loglevel", "INFO", "--hostname",
                                           f"test{len(self.procs)}@%h", "--without-gossip", "--without-mingle"], env)
         r, started = redis.Redis.from_url(self.env["REDIS_URL"]), time.time()

@@ -88,3 +88,14 @@ def test_engine_run_hands_the_model_back_unchanged(tiny_dir):
     bench.run_engine(setup, 2, 64)
     assert model.config._attn_implementation == before
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+def test_stack_bench_runs_the_workload_through_socketio_and_matches_the_engine(tiny_model_dir, tmp_path):
+    from worker import stack_bench
+
+    figures = stack_bench.main(["--model", str(tiny_model_dir), "--limit", "4", "--slots", "2",
+                                "--json", str(tmp_path / "stack.json")])
+    assert figures["errors"] == 0 and figures["requests"] == 4
+    assert figures["identical"] == 4   # greedy answers through the stack equal the engine's own
+    assert figures["stack_tok_s"] > 0 and figures["engine_tok_s"] > 0
+    assert json.loads((tmp_path / "stack.json").read_text())["identical"] == 4

@@ -34,6 +34,13 @@ def test_a_message_streams_tokens_then_done_and_is_recorded(client, db):
         assert answer.role == "assistant" and answer.content == done["text"]
 
 
+def test_a_message_may_ask_for_a_shorter_answer(client, db):
+    done = client.ask("Tell me everything about your return policy.", max_new_tokens=3)["done"]
+    assert done["completion_tokens"] <= 3
+    with db() as s:
+        assert s.get(RequestRecord, done["request_id"]).completion_tokens == done["completion_tokens"]
+
+
 def test_the_second_message_sees_the_first(client, db):
     first = client.ask("Do you ship to Canada?")["done"]
     second = client.ask("And to Mexico?", conversation_id=first["conversation_id"])["done"]
@@ -69,6 +76,9 @@ def test_clients_on_two_web_processes_each_get_their_own_answers(stack):
     ({"text": 42}, "empty_message"),
     ({"text": "hi", "conversation_id": "0" * 32}, "unknown_conversation"),
     ({"text": "hi", "conversation_id": ["not", "a", "string"]}, "bad_request"),
+    ({"text": "hi", "max_new_tokens": 0}, "invalid_value"),
+    ({"text": "hi", "max_new_tokens": 10_000}, "invalid_value"),   # above the shop's limit
+    ({"text": "hi", "max_new_tokens": "20"}, "invalid_value"),
 ])
 def test_bad_input_gets_a_clear_error(client, payload, code):
     client.sio.emit("chat_message", payload)

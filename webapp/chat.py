@@ -48,6 +48,16 @@ def page():
                            shop_name=current_app.config["SHOP_NAME"])
 
 
+def validate_max_new_tokens(payload: dict) -> int:
+    """An optional shorter answer cap (load tests, embedded widgets); the shop's limit is the ceiling."""
+    limit = current_app.config["MAX_NEW_TOKENS"]
+    value = payload.get("max_new_tokens", limit)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        raise UserError("invalid_value", f"max_new_tokens must be a whole number from 1 to {limit}; "
+                                         "omit it for the default.")
+    return value
+
+
 def validate_message(payload: object) -> tuple[str, str | None]:
     if not isinstance(payload, dict):
         raise UserError("bad_request", "Send an object like {\"text\": \"...\", \"conversation_id\": \"...\"}.")
@@ -91,8 +101,9 @@ def on_join(payload=None):
 def on_chat_message(payload=None):
     try:
         text, conversation_id = validate_message(payload)
+        max_new_tokens = validate_max_new_tokens(payload)
         queue.check_room()
-        job = enqueue_chat(text, conversation_id)
+        job = enqueue_chat(text, conversation_id, max_new_tokens)
     except UserError as exc:
         emit("error", {"code": exc.code, "message": exc.message, "retryable": exc.retryable})
         return
@@ -101,7 +112,7 @@ def on_chat_message(payload=None):
     emit("accepted", {"request_id": job["request_id"], "conversation_id": job["conversation_id"]})
 
 
-def enqueue_chat(text: str, conversation_id: str | None) -> dict:
+def enqueue_chat(text: str, conversation_id: str | None, max_new_tokens: int) -> dict:
     """Store the message and its request record, then queue it; an unqueued message is marked failed."""
     cfg = current_app.config
     with current_app.extensions["db"]() as db:
@@ -112,7 +123,7 @@ def enqueue_chat(text: str, conversation_id: str | None) -> dict:
         job = queue.new_job([{"role": "system", "content": cfg["SYSTEM_PROMPT"]}, *history,
                              {"role": "user", "content": text}],
                             {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"],
-                             "max_new_tokens": cfg["MAX_NEW_TOKENS"]},
+                             "max_new_tokens": max_new_tokens},
                             source="chat", conversation_id=conv.id)
         db.add(Message(conversation_id=conv.id, role="user", content=text))
         db.add(queue.record_for(job))

@@ -29,7 +29,10 @@ def make_celery(broker_url: str | None = None) -> Celery:
         task_ignore_result=True,          # answers travel over pub/sub and SQL, not the result backend
         task_acks_late=True,              # ack after the answer is stored: a dead worker's request comes back
         task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=1,     # each thread holds one request; the rest stay queued for others
+        # Twice as many task threads as engine slots: a slot that frees is refilled from requests already
+        # waiting inside the engine, not after a broker round trip. Each thread holds one request.
+        worker_concurrency=2 * int(os.environ.get("MAX_NUM_SEQS", "16")),
+        worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         broker_transport_options={
             # Live workers keep renewing what they hold (worker/leases.py), so only a dead worker's

@@ -1,4 +1,8 @@
-"""The benchmark workload through the whole stack (HTTP API -> Redis -> worker -> pub/sub) against the engine alone."""
+"""The benchmark workload through the whole stack against the engine alone, in one run.
+
+Through the stack, each request is a customer on its own Socket.IO connection (or, with
+`--protocol http`, a streaming OpenAI-style HTTP request): web app -> Redis -> worker -> pub/sub.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pathlib import Path
 
 import redis
 import requests
+import socketio
 
 from models import RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
@@ -31,11 +36,11 @@ def workload(path: Path) -> list[dict]:
                           {"role": "user", "content": r["question"]}]} for r in data["requests"]]
 
 
-def engine_direct(requests_: list[dict], slots: int) -> dict:
+def engine_direct(requests_: list[dict], slots: int, model_name: str | None = None) -> dict:
     from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
     from worker.model_loader import load_model
 
-    model, tokenizer = load_model()
+    model, tokenizer = load_model(model_name)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=slots))
     engine.add_request("warm", messages=requests_[0]["messages"], params=SamplingParams(temperature=0, max_new_tokens=4))
     while engine.has_unfinished():
@@ -51,21 +56,24 @@ def engine_direct(requests_: list[dict], slots: int) -> dict:
             "ttft": [d.first_token_time - start for d in done], "texts": {d.request_id: d.text for d in done}}
 
 
-def through_stack(requests_: list[dict], slots: int, workdir: Path) -> dict:
+def through_stack(requests_: list[dict], slots: int, workdir: Path, protocol: str, system_prompt: str,
+                  model_name: str | None = None) -> dict:
     redis_proc, redis_url = start_redis(workdir / "redis")
     db_url = f"sqlite:///{workdir / 'bench.db'}"
     upgrade(db_url)
     port = free_port()
     env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": db_url, "MAX_NUM_SEQS": str(slots),
-           "PORT": str(port), "QUEUE_LIMIT": "1000"}
+           "PORT": str(port), "QUEUE_LIMIT": "1000", "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
+           "MAX_NEW_TOKENS": str(max(q["cap"] for q in requests_))}
     env.pop("MODEL", None)
+    if model_name:
+        env["MODEL"] = model_name
     logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
     procs = [subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
-                               "--concurrency", str(slots), "--queues", "generate", "--loglevel", "WARNING"],
+                               "--queues", "generate", "--loglevel", "WARNING"],
                               cwd=ROOT, env=env, stdout=logs[0], stderr=subprocess.STDOUT),
              subprocess.Popen([sys.executable, "-m", "webapp"], cwd=ROOT, env=env, stdout=logs[1],
                               stderr=subprocess.STDOUT)]
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
     try:
         r = redis.Redis.from_url(redis_url)
         deadline = time.monotonic() + 180
@@ -73,18 +81,28 @@ def through_stack(requests_: list[dict], slots: int, workdir: Path) -> dict:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"stack did not start; see {workdir}")
             time.sleep(0.2)
-        _post(url, requests_[0], 4)   # warm-up
+        base = f"http://127.0.0.1:{port}"
+        ask = _post if protocol == "http" else _socketio
+        ask(base, requests_[0], 4)   # warm-up
+        clients = [_Customer(base, q) for q in requests_] if protocol == "socketio" else []
         results, start = {}, time.time()
-        threads = [threading.Thread(target=lambda q=q: results.__setitem__(q["id"], _post(url, q, q["cap"], start)))
-                   for q in requests_]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        if clients:
+            for c in clients:
+                c.send(start)
+            for c in clients:
+                results[c.q["id"]] = c.wait()
+        else:
+            threads = [threading.Thread(target=lambda q=q: results.__setitem__(q["id"], _post(base, q, q["cap"], start)))
+                       for q in requests_]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
         wall = time.time() - start
         with make_session_factory(make_engine(db_url))() as db:
-            tokens = sum(db.get(RequestRecord, res["request_id"]).completion_tokens for res in results.values())
+            tokens = sum(db.get(RequestRecord, res["request_id"]).completion_tokens or 0 for res in results.values())
         return {"tokens": tokens, "wall_s": wall, "ttft": [res["ttft"] for res in results.values()],
+                "results": list(results.values()),
                 "texts": {rid: res["text"] for rid, res in results.items()}}
     finally:
         for p in procs:
@@ -102,11 +120,56 @@ def _up(port: int) -> bool:
         return False
 
 
-def _post(url: str, q: dict, cap: int, start: float | None = None) -> dict:
+class _Customer:
+    """One customer: a page visit for the session cookie, then a Socket.IO connection, then one question."""
+
+    def __init__(self, base: str, q: dict) -> None:
+        self.q, self.http = q, requests.Session()
+        self.http.get(base + "/").raise_for_status()
+        self.parts: list[str] = []
+        self.ttft: float | None = None
+        self.result: dict = {}
+        self.finished = threading.Event()
+        self.sio = socketio.Client(http_session=self.http, reconnection=False)
+        self.sio.on("token", self._token)
+        self.sio.on("done", self._done)
+        self.sio.on("error", self._error)
+        self.sio.connect(base, transports=["websocket"], wait_timeout=30)
+
+    def send(self, start: float) -> None:
+        self.start = start
+        self.sio.emit("chat_message", {"text": self.q["messages"][-1]["content"], "max_new_tokens": self.q["cap"]})
+
+    def wait(self) -> dict:
+        if not self.finished.wait(600):
+            raise TimeoutError(f"request {self.q['id']} got no answer")
+        self.sio.disconnect()
+        return self.result
+
+    def _token(self, data: dict) -> None:
+        self.ttft = self.ttft or time.time() - self.start
+        self.parts.append(data["text"])
+
+    def _done(self, data: dict) -> None:
+        self.result = {"ttft": self.ttft, "text": "".join(self.parts), "request_id": data["request_id"]}
+        self.finished.set()
+
+    def _error(self, data: dict) -> None:
+        self.result = {"ttft": self.ttft, "text": "", "request_id": data.get("request_id"), "error": data}
+        self.finished.set()
+
+
+def _socketio(base: str, q: dict, cap: int) -> dict:
+    customer = _Customer(base, {**q, "cap": cap})
+    customer.send(time.time())
+    return customer.wait()
+
+
+def _post(base: str, q: dict, cap: int, start: float | None = None) -> dict:
     body = {"messages": q["messages"], "max_tokens": cap, "temperature": 0, "stream": True}
     start = start or time.time()
     ttft, parts, request_id = None, [], None
-    with requests.post(url, json=body, stream=True, timeout=600) as response:
+    with requests.post(base + "/v1/chat/completions", json=body, stream=True, timeout=600) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -120,16 +183,23 @@ def _post(url: str, q: dict, cap: int, start: float | None = None) -> dict:
     return {"ttft": ttft, "text": "".join(parts), "request_id": request_id}
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m worker.stack_bench", description=__doc__)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--limit", type=int, default=None)
+    parser.add_argument("--protocol", choices=("socketio", "http"), default="socketio")
+    parser.add_argument("--model", default=None, help="a model id or path (default: the default model)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = parser.parse_args(argv)
     reqs = workload(args.workload)[:args.limit]
-    direct = engine_direct(reqs, args.slots)
+    direct = engine_direct(reqs, args.slots, args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        stack = through_stack(reqs, args.slots, Path(tmp))
+        stack = through_stack(reqs, args.slots, Path(tmp), args.protocol, reqs[0]["messages"][0]["content"],
+                              args.model)
+    errors = [r for r in stack["results"] if r.get("error")]
+    if errors:
+        print(f"{len(errors)} requests failed through the stack, e.g. {errors[0]['error']}")
     rows = {"engine direct": direct, "whole stack": stack}
     print(f"{'':14} {'tokens/s':>9} {'wall s':>7} {'TTFT p50 s':>10}")
     for name, m in rows.items():
@@ -139,6 +209,14 @@ def main(argv: list[str] | None = None) -> None:
     same = sum(stack["texts"].get(k) == v for k, v in direct["texts"].items())
     print(f"stack keeps {keep:.0%} of the engine's tokens/s; adds {added * 1000:+.0f} ms to TTFT p50; "
           f"{same}/{len(reqs)} answers identical")
+    figures = {"protocol": args.protocol, "slots": args.slots, "requests": len(reqs), "errors": len(errors),
+               "identical": same, "keep_ratio": keep, "added_ttft_p50_s": added,
+               **{f"{key}_{name}": value for key, m in (("engine", direct), ("stack", stack))
+                  for name, value in (("tok_s", m["tokens"] / m["wall_s"]), ("wall_s", m["wall_s"]),
+                                      ("ttft_p50_s", statistics.median(m["ttft"])))}}
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return figures
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import threading
 from celery.signals import task_postrun, task_received, worker_init, worker_shutdown
 
 from worker.celery_app import GENERATE_TASK, cancelled_key, celery
-from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams, TokenDelta
+from worker.engine import InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams, TokenDelta
 from worker.runtime import WorkerRuntime, fit_to_context, outcome
 
 log = logging.getLogger(__name__)
@@ -74,12 +74,11 @@ def generate(job: dict) -> None:
     # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
     # so the customer's stream resumes after what an earlier delivery already showed.
     skip = rt.streamed_chars(rid)
-    for event in stream:
-        if isinstance(event, TokenDelta):
-            text, skip = event.text[skip:], max(0, skip - len(event.text))
-            if text:
-                rt.stream_text(job, text)
-            continue
-        if rt.store(job, event):   # False: another delivery stored (and showed) this answer first
-            rt.emit(*outcome(job, event.finish_reason, event.text, event.prompt_tokens, event.completion_tokens),
-                    job)
+    for batch in stream.batches():
+        text = "".join(event.text for event in batch if isinstance(event, TokenDelta))
+        text, skip = text[skip:], max(0, skip - len(text))
+        if text:
+            rt.stream_text(job, text)
+        if isinstance(last := batch[-1], RequestFinished) and rt.store(job, last):
+            # store() is False when another delivery stored (and showed) this answer first.
+            rt.emit(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens), job)

@@ -40,6 +40,20 @@ class RequestStream:
             if event.finished:
                 return
 
+    def batches(self) -> Iterator[list[Event]]:
+        """Events in order, grouped: everything that arrived while the caller was busy comes at once.
+
+        A consumer that forwards each event over a network does one send per group instead of falling
+        further behind the engine one token at a time.
+        """
+        while True:
+            batch = [self.events.get()]
+            while not batch[-1].finished and not self.events.empty():
+                batch.append(self.events.get_nowait())
+            yield batch
+            if batch[-1].finished:
+                return
+
     def cancel(self) -> None:
         self.engine.abort(self.request_id)
 

@@ -28,7 +28,14 @@ browser:
 		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
 		echo "No /usr/bin/chromium: browser tests will be skipped (apt-get install chromium)."
 
-test: install browser
+# The compose checks run `docker compose config` (or Debian's docker-compose); no Docker engine is needed.
+compose-tool:
+	@docker compose version >/dev/null 2>&1 || command -v docker-compose >/dev/null || \
+		{ command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+		apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; } || \
+		echo "No docker-compose: compose checks will be skipped (apt-get install docker-compose)."
+
+test: install browser compose-tool
 	$(PY) -m pytest
 
 bench: install

@@ -7,6 +7,8 @@ import importlib.util
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,8 +106,9 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
     log.info("Converting %s to safetensors in %s (once)", source.gguf_file, target)
     tokenizer = AutoTokenizer.from_pretrained(source.path, gguf_file=source.gguf_file)
     model = AutoModelForCausalLM.from_pretrained(source.path, gguf_file=source.gguf_file, dtype=torch.float32)
-    tmp = target.with_name(target.name + f".tmp{os.getpid()}")
-    tmp.mkdir(parents=True, exist_ok=True)
+    # A unique name: containers sharing the cache volume often share a process id too.
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".tmp", dir=target.parent))
     tokenizer.save_pretrained(tmp)
     # save_pretrained refuses models loaded from GGUF; the weights are plain tensors once loaded.
     config = model.config.to_dict()
@@ -113,7 +116,12 @@ def _convert_gguf(source: ModelSource, target: Path) -> None:
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(tmp)
     save_model(model, str(tmp / "model.safetensors"))
-    tmp.rename(target)  # atomic: a half-written cache is never used
+    try:
+        tmp.rename(target)  # atomic: a half-written cache is never used
+    except OSError:
+        if not (target / "model.safetensors").is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)   # another process finished first; use its copy
 
 
 def local_dir_for(source: ModelSource) -> str:
@@ -122,10 +130,7 @@ def local_dir_for(source: ModelSource) -> str:
         return source.path
     target = _gguf_cache_dir(Path(source.path) / source.gguf_file)
     if not (target / "model.safetensors").is_file():
-        try:
-            _convert_gguf(source, target)
-        except FileExistsError:
-            pass  # another process converted it first
+        _convert_gguf(source, target)
     return str(target)
 
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-RUN_DIR = ROOT / "instance" / "run"
+RUN_DIR = Path(os.environ.get("RUN_DIR", ROOT / "instance" / "run"))   # logs and the private Redis
 
 
 @dataclass

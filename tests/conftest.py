@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import uuid
+from collections.abc import Iterator
+
 import pytest
 import torch
+from sqlalchemy import Engine, create_engine, text
+from sqlalchemy.pool import NullPool
 
 from models.db import make_engine, make_session_factory, upgrade
 from tests.stack import Stack, base_env
@@ -40,6 +46,40 @@ def tiny(tiny_model_dir):
 @pytest.fixture(scope="session")
 def real_model():
     return load_model()
+
+
+DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(scope="session")
+def pg_admin() -> Iterator[Engine]:
+    """AUTOCOMMIT engine on the server's maintenance database; skips when no server answers."""
+    url = os.environ.get("TEST_POSTGRES_URL", DEFAULT_PG_ADMIN_URL)
+    engine = create_engine(
+        url, isolation_level="AUTOCOMMIT", poolclass=NullPool, connect_args={"connect_timeout": 3}
+    )
+    try:
+        with engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:  # any failure to connect means "no server here", not a test failure
+        engine.dispose()
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
+        pytest.skip(f"PostgreSQL not reachable at {engine.url.render_as_string()}: {reason}")
+    yield engine
+    engine.dispose()
+
+
+@pytest.fixture()
+def pg_url(pg_admin: Engine) -> Iterator[str]:
+    """A throwaway database, so whatever the server already holds stays untouched."""
+    name = f"supportbot_test_{uuid.uuid4().hex[:16]}"
+    with pg_admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield pg_admin.url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with pg_admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 import requests
 
 from models import RequestRecord
+from tests.stack import wait_for
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
 from worker.model_loader import load_model
 
@@ -51,6 +54,33 @@ def test_streaming_sends_the_same_answer_in_pieces(client):
     assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
 
 
+def test_streaming_reports_usage_when_asked(client):
+    plain = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=20)
+    chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=20,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_a_streaming_client_that_goes_away_cancels_its_answer(stack, db):
+    url = stack.web_with(MAX_NEW_TOKENS="2000")
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 2000, "stream": True}
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        first = next(line for line in lines if line.startswith(b"data: {"))
+    request_id = json.loads(first[6:])["id"].removeprefix("chatcmpl-")
+    # Closing the response dropped the connection; the web app notices at its next write and cancels.
+
+    def cancelled() -> bool:
+        with db() as s:
+            return s.get(RequestRecord, request_id).finish_reason == "cancelled"
+
+    wait_for(cancelled, 60, "the cancelled record")
+    with db() as s:
+        record = s.get(RequestRecord, request_id)
+    assert record.completion_tokens < 2000
+
+
 def test_models_lists_what_the_worker_serves(client, tiny_model_dir):
     assert [m.id for m in client.models.list().data] == [str(tiny_model_dir)]
 
@@ -62,6 +92,7 @@ def test_models_lists_what_the_worker_serves(client, tiny_model_dir):
     ({"messages": MESSAGES, "max_tokens": 0}, "invalid_value"),
     ({"messages": MESSAGES, "stop": ["a", "b", "c", "d", "e"]}, "invalid_value"),
     ({"messages": MESSAGES, "n": 3}, "invalid_value"),
+    ({"messages": MESSAGES, "stream": True, "stream_options": {"include_usage": "yes"}}, "invalid_value"),
 ])
 def test_bad_requests_get_openai_style_errors(stack, body, code):
     response = requests.post(stack.web_urls[0] + "/v1/chat/completions", json=body, timeout=10)

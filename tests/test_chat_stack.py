@@ -135,6 +135,16 @@ def test_readyz_reports_redis_database_and_a_live_worker(stack):
     assert requests.get(stack.web_urls[0] + "/healthz").json() == {"status": "ok"}
 
 
+def test_readyz_says_what_is_missing_when_no_worker_is_live(stack):
+    # Another Redis database: the same server, but no worker's heartbeat in it.
+    url = stack.web_with(REDIS_URL=stack.env["REDIS_URL"].rsplit("/", 1)[0] + "/7")
+    response = requests.get(url + "/readyz")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["status"] == "not ready" and body["checks"]["redis"] == "ok" and body["checks"]["database"] == "ok"
+    assert "start the worker" in body["checks"]["worker"]
+
+
 def test_a_prompt_over_the_context_is_refused_through_the_stack(client, db):
     # The tiny model's context is 512 tokens; 3900 characters of digits is far more.
     client.sio.emit("chat_message", {"text": " ".join(str(i) for i in range(1000))[:3900]})

@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, create_engine, inspect, select, text
+from sqlalchemy import Engine, inspect, select, text
 from sqlalchemy.exc import IntegrityError, StatementError
-from sqlalchemy.pool import NullPool
 
 from models import Base, Conversation, Message, RequestRecord
 from models.db import default_database_url, make_engine, make_session_factory, upgrade
-
-DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 EXPECTED_INDEXES = {
     "conversations": {"ix_conversations_owner": ["owner"]},
@@ -29,37 +24,6 @@ EXPECTED_INDEXES = {
         "ix_request_records_finished_at": ["finished_at"],
     },
 }
-
-
-@pytest.fixture(scope="module")
-def pg_admin() -> Iterator[Engine]:
-    """AUTOCOMMIT engine on the server's maintenance database; skips when no server answers."""
-    url = os.environ.get("TEST_POSTGRES_URL", DEFAULT_PG_ADMIN_URL)
-    engine = create_engine(
-        url, isolation_level="AUTOCOMMIT", poolclass=NullPool, connect_args={"connect_timeout": 3}
-    )
-    try:
-        with engine.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as exc:  # any failure to connect means "no server here", not a test failure
-        engine.dispose()
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0]
-        pytest.skip(f"PostgreSQL not reachable at {engine.url.render_as_string()}: {reason}")
-    yield engine
-    engine.dispose()
-
-
-@pytest.fixture()
-def pg_url(pg_admin: Engine) -> Iterator[str]:
-    """A throwaway database, so whatever the server already holds stays untouched."""
-    name = f"test_models_{uuid.uuid4().hex[:16]}"
-    with pg_admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield pg_admin.url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with pg_admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -107,6 +107,9 @@ def chat_completions():
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise UserError("invalid_value", "'stream' must be true or false.")
+        options = body.get("stream_options") or {}
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise UserError("invalid_value", "'stream_options' must be an object like {\"include_usage\": true}.")
         model = body.get("model") or served_models()[0]
         queue.check_room()
         job = queue.new_job(messages, params, source="api", channel=True)
@@ -118,7 +121,8 @@ def chat_completions():
     except UserError as exc:
         return error_response(exc)
     if stream:
-        return Response(stream_with_context(sse(job, events, model)), mimetype="text/event-stream",
+        body = sse(job, events, model, options.get("include_usage", False))
+        return Response(stream_with_context(body), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     text, final = [], None
     for event in events:
@@ -161,20 +165,26 @@ def completion(job: dict, model: str, text: str, done: dict) -> dict:
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
                      "finish_reason": finish_reason(done)}],
-        "usage": {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-                  "total_tokens": done["prompt_tokens"] + done["completion_tokens"]},
+        "usage": usage(done),
     }
+
+
+def usage(done: dict) -> dict:
+    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
+            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
 
 
 def finish_reason(done: dict) -> str:
     return "length" if done["finish_reason"] == "length" else "stop"
 
 
-def sse(job: dict, events: Iterator[dict], model: str) -> Iterator[str]:
-    def chunk(delta: dict, reason: str | None = None) -> str:
+def sse(job: dict, events: Iterator[dict], model: str, include_usage: bool = False) -> Iterator[str]:
+    def chunk(delta: dict | None, reason: str | None = None, usage: dict | None = None) -> str:
         body = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
                 "created": int(job["enqueued_at"]), "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": reason}]}
+                "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": reason}]}
+        if usage is not None:
+            body["usage"] = usage
         return f"data: {json.dumps(body)}\n\n"
 
     finished = False
@@ -186,6 +196,8 @@ def sse(job: dict, events: Iterator[dict], model: str) -> Iterator[str]:
             elif event["event"] == "done":
                 finished = True
                 yield chunk({}, finish_reason(event))
+                if include_usage:   # OpenAI's shape: a last chunk with no choices, only usage
+                    yield chunk(None, usage=usage(event))
             else:
                 finished = True
                 yield f"data: {json.dumps({'error': {'message': event['message'], 'code': event['code']}})}\n\n"

@@ -103,17 +103,24 @@ def on_chat_message(payload=None):
         text, conversation_id = validate_message(payload)
         max_new_tokens = validate_max_new_tokens(payload)
         queue.check_room()
-        job = enqueue_chat(text, conversation_id, max_new_tokens)
+        job = store_chat(text, conversation_id, max_new_tokens)
     except UserError as exc:
         emit("error", {"code": exc.code, "message": exc.message, "retryable": exc.retryable})
         return
-    _in_flight.setdefault(request.sid, set()).add(job["request_id"])
+    # Joined and told before the job is queued, so even a fast worker's first token finds the client ready.
     join_room(job["conversation_id"])
     emit("accepted", {"request_id": job["request_id"], "conversation_id": job["conversation_id"]})
+    try:
+        queue.send(job)
+    except UserError as exc:
+        emit("error", {"request_id": job["request_id"], "code": exc.code, "message": exc.message,
+                       "retryable": exc.retryable})
+        return
+    _in_flight.setdefault(request.sid, set()).add(job["request_id"])
 
 
-def enqueue_chat(text: str, conversation_id: str | None, max_new_tokens: int) -> dict:
-    """Store the message and its request record, then queue it; an unqueued message is marked failed."""
+def store_chat(text: str, conversation_id: str | None, max_new_tokens: int) -> dict:
+    """Store the message and its request record; the job to queue comes back."""
     cfg = current_app.config
     with current_app.extensions["db"]() as db:
         conv = own_conversation(db, conversation_id) if conversation_id else Conversation(owner=owner_id())
@@ -128,7 +135,6 @@ def enqueue_chat(text: str, conversation_id: str | None, max_new_tokens: int) ->
         db.add(Message(conversation_id=conv.id, role="user", content=text))
         db.add(queue.record_for(job))
         db.commit()
-    queue.send(job)
     return job
 
 

@@ -1,0 +1,1 @@
+"""Load generator for a running supportbot deployment: `python -m tests.load --help`."""

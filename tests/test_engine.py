@@ -422,3 +422,42 @@ def test_shutdown_fails_requests_that_were_never_scheduled(tiny):
     for stream in streams:
         final = list(stream)[-1]
         assert isinstance(final, RequestFinished) and final.finish_reason == "error"
+
+
+@pytest.mark.parametrize("where", ["forward", "sampling", "detokenizer"])
+def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where, monkeypatch):
+    model, tokenizer = tiny
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=4, num_blocks=64))
+    prompts = {f"ok{i}": chat_ids(tokenizer, q) for i, q in enumerate(QUESTIONS[:3])}
+    prompts["bad"] = chat_ids(tokenizer, QUESTIONS[3])
+    for rid, ids in prompts.items():
+        engine.add_request(rid, prompt_token_ids=ids, params=greedy(8))
+    engine.step()   # all four prefilled together; the fault strikes while they decode side by side
+    bad = engine.seqs["bad"]
+    if where == "forward":
+        run = engine.runner.run
+
+        def run_failing_with_bad(batch):
+            if bad in batch.decodes or any(seq is bad for seq, _ in batch.prefills):
+                raise RuntimeError("forced failure")
+            return run(batch)
+        monkeypatch.setattr(engine.runner, "run", run_failing_with_bad)
+    elif where == "sampling":
+        sample = engine.sampler.__call__
+
+        def sample_failing_with_bad(logits, params, history, generators):
+            if any(h is bad.token_ids for h in history):
+                raise RuntimeError("forced failure")
+            return sample(logits, params, history, generators)
+        monkeypatch.setattr(engine, "sampler", sample_failing_with_bad)
+    else:
+        def push_failing(ids):
+            raise UnicodeError("forced failure")
+        monkeypatch.setattr(bad.detokenizer, "push", push_failing)
+
+    results, _ = run_all(engine)
+    assert results["bad"].finish_reason == "error" and "forced failure" in results["bad"].error
+    for rid in ("ok0", "ok1", "ok2"):
+        assert results[rid].finish_reason in ("stop", "length")
+        assert results[rid].token_ids == reference(ref_model, prompts[rid], 8), rid
+    assert engine.stats().running == 0 and engine.blocks.num_used == 0

@@ -161,12 +161,26 @@ class LLMEngine:
         self.last_batch = (batch.num_seqs, batch.num_tokens)
         try:
             logits = self.runner.run(batch)
-        except Exception as exc:   # a failed forward fails this batch's requests, not the engine
-            log.exception("forward pass failed")
-            for seq in batch.decodes + [s for s, _ in batch.prefills]:
-                events += self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
-            return events
+        except Exception:
+            log.exception("forward pass failed; running its requests one at a time")
+            return events + self._run_one_by_one(batch)
         return events + self._advance(batch, logits)
+
+    def _run_one_by_one(self, batch: Batch) -> list[Event]:
+        """Find the request that breaks a forward pass: it fails, every other request goes on.
+
+        Nothing advanced in the failed pass, so rerunning a sequence rewrites the same KV slots.
+        """
+        events: list[Event] = []
+        parts = [Batch(decodes=[seq]) for seq in batch.decodes] + [Batch(prefills=[p]) for p in batch.prefills]
+        for part in parts:
+            try:
+                logits = self.runner.run(part)
+            except Exception as exc:
+                events += self._fail(part.decodes[0] if part.decodes else part.prefills[0][0], exc)
+                continue
+            events += self._advance(part, logits)
+        return events
 
     def _advance(self, batch: Batch, logits) -> list[Event]:
         sampling = list(batch.decodes)
@@ -182,12 +196,36 @@ class LLMEngine:
             seq.steps += 1
         if not sampling:
             return []
-        tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                              [s.generator for s in sampling]).tolist()
+        try:
+            tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
+                                  [s.generator for s in sampling]).tolist()
+        except Exception:
+            log.exception("sampling failed; sampling each request alone")
+            return self._sample_one_by_one(sampling, logits)
+        return self._append_tokens(sampling, tokens)
+
+    def _sample_one_by_one(self, sampling: list[Sequence], logits) -> list[Event]:
+        events, ok, tokens = [], [], []
+        for seq, row in zip(sampling, logits):
+            try:
+                tokens.append(self.sampler(row[None], [seq.params], [seq.token_ids], [seq.generator]).item())
+                ok.append(seq)
+            except Exception as exc:
+                events += self._fail(seq, exc)
+        return events + self._append_tokens(ok, tokens)
+
+    def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> list[Event]:
         now, events = time.time(), []
-        for seq, token in zip(sampling, tokens):
-            events += self._append_token(seq, token, now)
+        for seq, token in zip(seqs, tokens):
+            try:
+                events += self._append_token(seq, token, now)
+            except Exception as exc:   # e.g. a stop-string or detokenizer failure: this request only
+                events += self._fail(seq, exc)
         return events
+
+    def _fail(self, seq: Sequence, exc: Exception) -> list[Event]:
+        log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
+        return self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> list[Event]:
         seq.token_ids.append(token)

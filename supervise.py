@@ -26,7 +26,7 @@ class Child:
         log = open(RUN_DIR / f"{self.name}.log", "ab")
         self.proc = subprocess.Popen(self.argv, cwd=ROOT, env=self.env, stdout=log, stderr=subprocess.STDOUT)
 
-    def stop(self, timeout: float = 10) -> None:
+    def stop(self, timeout: float = 30) -> None:   # the worker's shutdown grace (15 s) fits within it
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -50,6 +50,8 @@ class WorkerRuntime:
         self.emitter = SocketIO(message_queue=s.redis_url)   # emits into every web process's rooms
         self.sessions = make_session_factory(make_engine(s.database_url))
         self._stop = threading.Event()
+        self.draining = threading.Event()       # shutting down: start nothing new
+        self.handing_back = threading.Event()   # grace period over: unfinished answers go back to the queue
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
         log.info("worker %s ready with %s (%d slots)", s.name, self.model_name, s.max_num_seqs)
@@ -116,6 +118,20 @@ class WorkerRuntime:
         self.store(job, done)
         self.emit("error", {"request_id": job["request_id"], "code": code, "message": message,
                             "retryable": code != "prompt_too_long"}, job)
+
+    def begin_shutdown(self) -> None:
+        self.draining.set()
+        timer = threading.Timer(self.settings.shutdown_grace_s, self._hand_back)
+        timer.daemon = True
+        timer.start()
+
+    def _hand_back(self) -> None:
+        stats = self.engine.stats()
+        if stats.running or stats.waiting:
+            log.info("shutdown grace period over: handing %d requests back to the queue",
+                     stats.running + stats.waiting)
+        self.handing_back.set()
+        self.engine.shutdown()   # every open stream ends with an error event, which the tasks turn into requeues
 
     # ---- background threads -------------------------------------------------------------------
 

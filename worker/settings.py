@@ -21,4 +21,6 @@ class WorkerSettings:
     max_num_seqs: int = field(default_factory=lambda: _int("MAX_NUM_SEQS", 16))
     max_num_batched_tokens: int = field(default_factory=lambda: _int("MAX_NUM_BATCHED_TOKENS", 512))
     kv_cache_gib: float = field(default_factory=lambda: float(os.environ.get("KV_CACHE_GIB", "1.0")))
+    # After SIGTERM, answers under way have this long to finish before they go back to the queue.
+    shutdown_grace_s: float = field(default_factory=lambda: float(os.environ.get("SHUTDOWN_GRACE_S", "15")))
     name: str = field(default_factory=lambda: os.environ.get("WORKER_NAME", f"worker@{socket.gethostname()}"))

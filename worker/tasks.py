@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 
-from celery.signals import task_postrun, task_received, worker_init, worker_shutdown
+from celery.exceptions import Reject
+from celery.signals import task_postrun, task_received, worker_init, worker_shutdown, worker_shutting_down
 
 from worker.celery_app import GENERATE_TASK, cancelled_key, celery
 from worker.engine import InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams, TokenDelta
@@ -31,6 +32,13 @@ def _load_before_consuming(**_) -> None:
     runtime()
 
 
+@worker_shutting_down.connect
+def _drain(**_) -> None:
+    # SIGTERM: nothing new starts; answers under way get a grace period, then go back to the queue.
+    if _runtime is not None:
+        _runtime.begin_shutdown()
+
+
 @worker_shutdown.connect
 def _stop_engine(**_) -> None:
     if _runtime is not None:
@@ -52,6 +60,8 @@ def _drop_lease(task_id=None, **_) -> None:
 def generate(job: dict) -> None:
     rt = runtime()
     rid = job["request_id"]
+    if rt.draining.is_set():
+        raise Reject("this worker is shutting down", requeue=True)
     if (stored := rt.stored_outcome(job)) is not None:   # answered before: show it again, never regenerate
         log.info("request %s was answered before; not generating again", rid)
         rt.emit(*stored, job)
@@ -75,10 +85,14 @@ def generate(job: dict) -> None:
     # so the customer's stream resumes after what an earlier delivery already showed.
     skip = rt.streamed_chars(rid)
     for batch in stream.batches():
+        last = batch[-1]
+        if isinstance(last, RequestFinished) and last.finish_reason == "error" and rt.handing_back.is_set():
+            log.info("handing %s back to the queue", rid)
+            raise Reject("the worker's shutdown grace period ended", requeue=True)
         text = "".join(event.text for event in batch if isinstance(event, TokenDelta))
         text, skip = text[skip:], max(0, skip - len(text))
         if text:
             rt.stream_text(job, text)
-        if isinstance(last := batch[-1], RequestFinished) and rt.store(job, last):
+        if isinstance(last, RequestFinished) and rt.store(job, last):
             # store() is False when another delivery stored (and showed) this answer first.
             rt.emit(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens), job)

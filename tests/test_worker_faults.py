@@ -1,8 +1,9 @@
-"""A worker killed with SIGKILL mid-answer: after a restart every accepted request ends with one stored answer."""
+"""A worker killed or stopped mid-answer: after a restart every accepted request ends with one stored answer."""
 
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 
@@ -98,3 +99,34 @@ def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack,
         with db() as s:
             record = s.get(RequestRecord, api_results[kind]["id"].removeprefix("chatcmpl-"))
         assert record.finished_at is not None and record.finish_reason in ("stop", "length")
+
+
+def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db):
+    url = stack.web_with(MAX_NEW_TOKENS="2000")
+    stack.kill_worker()
+    worker = stack.start_worker(SHUTDOWN_GRACE_S="0.5")   # a short grace, so the answers are cut off
+    clients = [ChatClient(url) for _ in QUESTIONS]
+    try:
+        for client, question in zip(clients, QUESTIONS):
+            client.sio.emit("chat_message", {"text": question})
+        accepted = [client.next(30) for client in clients]
+        assert all(name == "accepted" for name, _ in accepted), accepted
+        seen = [[client.next(30)] for client in clients]   # every answer has started streaming
+
+        stopped_at = time.monotonic()
+        worker.send_signal(signal.SIGTERM)
+        code = worker.wait(60)   # bounded: the grace period, then the hand-back
+        print(f"\nthe worker exited {time.monotonic() - stopped_at:.1f} s after SIGTERM with code {code}")
+        handed_back = "back to the queue" in (stack.workdir / "worker.log").read_text()
+        stack.start_worker()
+        streams = [events + collect(client, 120) for client, events in zip(clients, seen)]
+    finally:
+        for client in clients:
+            client.close()
+    assert handed_back, "no answer was still running when the grace period ended"
+    for (_, acc), events in zip(accepted, streams):
+        name, done = events[-1]
+        assert name == "done" and done["finish_reason"] in ("stop", "length"), events[-1]
+        assert "".join(d["text"] for n, d in events if n == "token") == done["text"]
+        with db() as s:
+            assert [m.content for m in s.query(Message).filter_by(request_id=acc["request_id"])] == [done["text"]]

@@ -18,6 +18,7 @@ def create_app(overrides: dict | None = None) -> Flask:
     app = Flask(__name__, instance_path=str(config.INSTANCE_DIR))
     app.config.update(config.load())
     app.config.update(overrides or {})
+    config.check_production(app.config)
     app.extensions["redis"] = redis.Redis.from_url(app.config["REDIS_URL"])
     app.extensions["celery"] = make_celery(app.config["REDIS_URL"])
     app.extensions["db"] = make_session_factory(make_engine(app.config["DATABASE_URL"]))
@@ -25,8 +26,11 @@ def create_app(overrides: dict | None = None) -> Flask:
     socketio.init_app(app, message_queue=app.config["REDIS_URL"], async_mode="threading",
                       max_http_buffer_size=64 * 1024)
 
-    from . import api, chat, health
+    from . import api, auth, chat, dashboard, health, metrics
     app.register_blueprint(chat.bp)
     app.register_blueprint(api.bp)
     app.register_blueprint(health.bp)
+    auth.init_app(app)
+    app.register_blueprint(dashboard.bp)
+    metrics.init_app(app)
     return app

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 from pathlib import Path
+
+from werkzeug.security import generate_password_hash
+
+log = logging.getLogger(__name__)
 
 INSTANCE_DIR = Path(__file__).resolve().parent.parent / "instance"
 
@@ -28,6 +33,76 @@ def _secret_key() -> str:
     return path.read_text().strip()
 
 
+class ConfigError(RuntimeError):
+    """A setting that must be changed before the app may start; the message names it."""
+
+
+# Values found in examples and tutorials: a deployment that still uses one is not configured.
+KNOWN_DEFAULT_SECRETS = frozenset({
+    "", "dev", "development", "secret", "secret-key", "secret_key", "changeme", "change-me", "change_me",
+    "test-secret", "supportbot", "password", "operator", "admin", "default", "test",
+})
+
+
+def production() -> bool:
+    return os.environ.get("SUPPORTBOT_ENV", "development").strip().lower() == "production"
+
+
+def dev_operator_password(username: str) -> str:
+    """A random operator password kept in instance/, created by whichever web process starts first."""
+    path = INSTANCE_DIR / "operator_password"
+    if not path.exists():
+        INSTANCE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".operator_password.{os.getpid()}")
+        tmp.write_text(secrets.token_urlsafe(12) + "\n")
+        tmp.chmod(0o600)
+        try:
+            os.link(tmp, path)   # atomic: another process that got there first keeps its password
+        except FileExistsError:
+            pass
+        finally:
+            tmp.unlink()
+    password = path.read_text().strip()
+    log.warning("operator login: user %r, password %r (from %s; set OPERATOR_PASSWORD to choose one)",
+                username, password, path)
+    return password
+
+
+def operator_password_hash(cfg: dict) -> str | None:
+    """The configured hash, else a hash of the configured password, else (development only) a generated one."""
+    if cfg.get("OPERATOR_PASSWORD_HASH"):
+        return cfg["OPERATOR_PASSWORD_HASH"]
+    if cfg.get("OPERATOR_PASSWORD"):
+        return generate_password_hash(cfg["OPERATOR_PASSWORD"])
+    if cfg.get("SUPPORTBOT_ENV") == "production":
+        return None
+    return generate_password_hash(dev_operator_password(cfg.get("OPERATOR_USERNAME", "operator")))
+
+
+def check_production(cfg: dict) -> None:
+    """Refuse to serve in production with a secret that is missing or left at a well-known value."""
+    if cfg.get("SUPPORTBOT_ENV") != "production":
+        return
+    secret = str(cfg.get("SECRET_KEY") or "")
+    if secret.strip().lower() in KNOWN_DEFAULT_SECRETS or len(secret) < 16:
+        raise ConfigError("SUPPORTBOT_ENV=production needs SECRET_KEY: set it to a long random value shared by "
+                          "every web process, e.g. python -c 'import secrets; print(secrets.token_hex(32))'.")
+    password, hashed = cfg.get("OPERATOR_PASSWORD"), cfg.get("OPERATOR_PASSWORD_HASH")
+    if not password and not hashed:
+        raise ConfigError("SUPPORTBOT_ENV=production needs OPERATOR_PASSWORD (or OPERATOR_PASSWORD_HASH, a "
+                          "werkzeug.security.generate_password_hash value) for the operators' login.")
+    if password is not None and (password.strip().lower() in KNOWN_DEFAULT_SECRETS or len(password) < 8):
+        raise ConfigError("SUPPORTBOT_ENV=production: OPERATOR_PASSWORD is a well-known default or shorter than "
+                          "8 characters; set OPERATOR_PASSWORD to a strong password.")
+    if hashed and (hashed.count("$") != 2 or hashed.split(":")[0] not in ("scrypt", "pbkdf2")):
+        raise ConfigError("SUPPORTBOT_ENV=production: OPERATOR_PASSWORD_HASH is not a werkzeug password hash; "
+                          "make one with werkzeug.security.generate_password_hash.")
+    token = cfg.get("METRICS_TOKEN")
+    if token is not None and (token.strip().lower() in KNOWN_DEFAULT_SECRETS or len(token) < 16):
+        raise ConfigError("SUPPORTBOT_ENV=production: METRICS_TOKEN is a well-known default or shorter than 16 "
+                          "characters; set it to a long random value, or unset it to scrape with a login only.")
+
+
 def system_prompt(shop: str) -> str:
     if os.environ.get("SYSTEM_PROMPT_FILE"):
         return Path(os.environ["SYSTEM_PROMPT_FILE"]).read_text().strip()
@@ -37,7 +112,14 @@ def system_prompt(shop: str) -> str:
 def load() -> dict:
     shop = os.environ.get("SHOP_NAME", "Northwind Goods")
     return {
-        "SECRET_KEY": _secret_key(),
+        # Production never invents a key: check_production() asks for one instead.
+        "SECRET_KEY": os.environ.get("SECRET_KEY") if production() else _secret_key(),
+        "SUPPORTBOT_ENV": "production" if production() else "development",
+        "SESSION_COOKIE_SAMESITE": "Lax",
+        "OPERATOR_USERNAME": os.environ.get("OPERATOR_USERNAME", "operator"),
+        "OPERATOR_PASSWORD": os.environ.get("OPERATOR_PASSWORD") or None,
+        "OPERATOR_PASSWORD_HASH": os.environ.get("OPERATOR_PASSWORD_HASH") or None,
+        "METRICS_TOKEN": os.environ.get("METRICS_TOKEN") or None,
         "REDIS_URL": os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"),
         "DATABASE_URL": os.environ.get("DATABASE_URL"),
         "SHOP_NAME": shop,

@@ -17,6 +17,7 @@ from models.db import make_engine, make_session_factory
 from worker.celery_app import CANCEL_CHANNEL, HEARTBEAT_PREFIX, visibility_timeout
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished
 from worker.leases import Leases
+from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
 from worker.settings import WorkerSettings
 
@@ -45,6 +46,7 @@ class WorkerRuntime:
             kv_cache_memory_gib=s.kv_cache_gib))
         self.engine.start()
         self.redis = redis.Redis.from_url(s.redis_url)
+        self.metrics = WorkerMetrics(s.name, self.model_name)
         self.leases = Leases(self.redis, visibility_timeout())
         self.leases.start()
         self.emitter = SocketIO(message_queue=s.redis_url)   # emits into every web process's rooms
@@ -96,6 +98,7 @@ class WorkerRuntime:
             except IntegrityError:   # another delivery stored its answer first
                 db.rollback()
                 return False
+        self.metrics.observe(job, done)
         return True
 
     def stored_outcome(self, job: dict) -> tuple[str, dict] | None:
@@ -154,6 +157,7 @@ class WorkerRuntime:
                 self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
                     "kv_usage": stats.kv_usage, "time": time.time()}), ex=HEARTBEAT_TTL_S)
+                self.metrics.publish(self.redis, stats)
             except redis.ConnectionError:
                 pass
             self._stop.wait(2)

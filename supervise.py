@@ -36,9 +36,23 @@ class Child:
                 self.proc.wait()
 
 
+def restart_redis(dead: subprocess.Popen, port: int) -> subprocess.Popen:
+    """Same port and directory: the web app and worker reconnect by themselves, and the queue is read back."""
+    from worker.local_redis import start_redis
+
+    print(f"supportbot: Redis exited with {dead.returncode}; restarting (see {RUN_DIR / 'redis' / 'redis.log'})",
+          flush=True)
+    try:
+        return start_redis(RUN_DIR / "redis", port=port)[0]
+    except RuntimeError as exc:
+        print(f"supportbot: {exc}; trying again", flush=True)
+        time.sleep(2)
+        return dead
+
+
 def main() -> int:
     from models.db import default_database_url, upgrade
-    from worker.local_redis import start_redis
+    from worker.local_redis import port_of, start_redis
 
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
@@ -68,6 +82,8 @@ def main() -> int:
     print(f"logs in {RUN_DIR}; Ctrl-C stops everything", flush=True)
     try:
         while not stopping:
+            if redis_proc is not None and redis_proc.poll() is not None and not stopping:
+                redis_proc = restart_redis(redis_proc, port_of(env["REDIS_URL"]))
             for child in children:
                 if child.proc.poll() is not None and not stopping:
                     child.restarts = [t for t in child.restarts if t > time.time() - 60] + [time.time()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +14,7 @@ from pathlib import Path
 import redis
 import requests
 
-from worker.local_redis import free_port
+from worker.local_redis import free_port, port_of, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,6 +40,7 @@ class Stack:
     procs: list[subprocess.Popen] = field(default_factory=list)
     web_urls: list[str] = field(default_factory=list)
     worker: subprocess.Popen | None = None
+    webs: dict[str, subprocess.Popen] = field(default_factory=dict)   # url -> its process
     _webs_by_env: dict[tuple, str] = field(default_factory=dict)
 
     def spawn(self, name: str, argv: list[str], env: dict[str, str]) -> tuple[subprocess.Popen, Path]:
@@ -75,13 +77,21 @@ class Stack:
             self._webs_by_env[key] = self.start_web(**extra)
         return self._webs_by_env[key]
 
-    def start_web(self, **extra: str) -> str:
-        port = free_port()
+    def start_web(self, port: int | None = None, **extra: str) -> str:
+        port = port or free_port()
         proc, log = self.spawn(f"web{port}", [sys.executable, "-m", "webapp"], {**self.env, "PORT": str(port), **extra})
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: requests.get(url + "/healthz", timeout=1).ok, 60, "web app", proc, log)
         self.web_urls.append(url)
+        self.webs[url] = proc
         return url
+
+    def kill_web(self, url: str) -> None:
+        """SIGKILL a web process: its sockets drop without a goodbye and it cancels nothing, as in a crash."""
+        proc = self.webs.pop(url)
+        proc.kill()
+        proc.wait()
+        self.web_urls.remove(url)
 
     def stop(self) -> None:
         for proc in reversed(self.procs):
@@ -95,10 +105,30 @@ class Stack:
                 proc.wait()
 
 
+@dataclass
+class RedisServer:
+    """A private Redis that a test may stop and start again on the same port and data directory."""
+
+    workdir: Path
+    proc: subprocess.Popen | None = None
+    url: str = ""
+
+    def start(self) -> str:
+        self.proc, self.url = start_redis(self.workdir, port=port_of(self.url) if self.url else None)
+        return self.url
+
+    def stop(self, sig: int = signal.SIGKILL) -> None:
+        """SIGKILL by default: a crash, with no chance to save anything it had not written already."""
+        self.proc.send_signal(sig)
+        self.proc.wait(10)
+
+
 def base_env(redis_url: str, database_url: str, model_dir: Path, workdir: Path) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("MODEL", "DATABASE_URL", "REDIS_URL")}
     env.update(REDIS_URL=redis_url, DATABASE_URL=database_url, MODEL=str(model_dir), MAX_NUM_SEQS="4",
                KV_CACHE_GIB="0.05", SECRET_KEY="test-secret", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
-               TEMPERATURE="0", MAX_NEW_TOKENS="24", VISIBILITY_TIMEOUT="6")
+               TEMPERATURE="0", MAX_NEW_TOKENS="24", VISIBILITY_TIMEOUT="6",
+               LOST_AFTER_S="5")
     env.update(OPERATOR_PASSWORD="stack-operator-password", METRICS_TOKEN="stack-metrics-token-0123456789abcdef")
+    env.update(RATE_LIMIT_PER_SESSION="9999/second", RATE_LIMIT_PER_IP="9999/second", MAX_CONNECTIONS_PER_IP="9999")
     return env

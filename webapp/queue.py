@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import time
 import uuid
+from collections.abc import Iterator
 from datetime import UTC, datetime
 
+import redis
 from flask import current_app
+from sqlalchemy.exc import SQLAlchemyError
 
 from models import RequestRecord
-from worker.celery_app import CANCEL_CHANNEL, GENERATE_TASK, QUEUE, cancelled_key
+from worker.celery_app import (CANCEL_CHANNEL, GENERATE_TASK, JOB_TTL_S, QUEUE, cancelled_key, events_channel, final_key,
+                               job_key)
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +29,22 @@ class UserError(Exception):
         self.code, self.message, self.retryable, self.status = code, message, retryable, status
 
 
+# While silent this long, an API listener looks for a final event it may have missed.
+FINAL_CHECK_S = 3.0
+
+
+def unavailable() -> UserError:
+    return UserError("queue_unavailable", "The assistant cannot take messages for a moment; please send yours "
+                                          "again in a few seconds.", retryable=True, status=503)
+
+
 def check_room() -> None:
-    if current_app.extensions["redis"].llen(QUEUE) >= current_app.config["QUEUE_LIMIT"]:
+    try:
+        depth = current_app.extensions["redis"].llen(QUEUE)
+    except redis.RedisError as exc:
+        log.warning("Redis unavailable: %s", exc)
+        raise unavailable() from exc
+    if depth >= current_app.config["QUEUE_LIMIT"]:
         raise UserError("queue_full", "The assistant is busy right now; please try again in a moment.",
                         retryable=True, status=429)
 
@@ -36,7 +55,7 @@ def new_job(messages: list[dict], params: dict, source: str, conversation_id: st
     # Fixed now, so a redelivery after a worker crash samples the same tokens and resumes the stream.
     params = {**params, "seed": params["seed"] if params.get("seed") is not None else secrets.randbits(63)}
     return {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
-            "channel": f"supportbot:events:{request_id}" if channel else None, "source": source,
+            "channel": events_channel(request_id) if channel else None, "source": source,
             "enqueued_at": time.time(), "messages": messages, "params": params}
 
 
@@ -46,21 +65,114 @@ def record_for(job: dict) -> RequestRecord:
 
 
 def send(job: dict) -> None:
-    """Queue a job whose record is stored; if Redis refuses it, the record says so and the caller is told."""
+    """Queue a job whose record is stored; if Redis refuses it, the record says so and the caller is told.
+
+    A copy of the job is kept first: a message that goes missing between the web app and a worker (a crash
+    mid-handover) is sent again from it by the worker's reaper instead of being lost.
+    """
     try:
+        current_app.extensions["redis"].set(job_key(job["request_id"]), json.dumps(job), ex=JOB_TTL_S)
         current_app.extensions["celery"].send_task(GENERATE_TASK, args=[job], task_id=job["request_id"])
     except Exception as exc:
-        log.exception("could not queue %s", job["request_id"])
+        log.warning("could not queue %s: %s", job["request_id"], exc)
+        mark_unqueued(job["request_id"], exc)
+        try:
+            current_app.extensions["redis"].delete(job_key(job["request_id"]))   # refused: not to be sent again
+        except redis.RedisError:
+            pass   # it expires; the reaper never resends a request whose record is finished
+        raise unavailable() from exc
+
+
+def mark_unqueued(request_id: str, exc: Exception) -> None:
+    """Best effort: with the database down too, the customer is still told to send the message again."""
+    try:
         with current_app.extensions["db"]() as db:
-            record = db.get(RequestRecord, job["request_id"])
+            record = db.get(RequestRecord, request_id)
             record.finish_reason, record.error = "error", f"not queued: {exc}"
             record.finished_at = datetime.now(UTC)
             db.commit()
-        raise UserError("queue_unavailable", "The message could not be queued; please send it again.",
-                        retryable=True, status=503) from exc
+    except SQLAlchemyError as db_exc:
+        log.warning("could not record that %s was not queued: %s", request_id, db_exc)
 
 
-def cancel(request_id: str) -> None:
+def cancel(request_id: str) -> bool:
+    """Stop an answer; False when Redis is down (the answer then runs to its end and is stored)."""
     r = current_app.extensions["redis"]
-    r.set(cancelled_key(request_id), 1, ex=3600)   # for a worker that has not started it yet
-    r.publish(CANCEL_CHANNEL, request_id)           # for the worker that is answering it
+    try:
+        r.set(cancelled_key(request_id), 1, ex=3600)   # for a worker that has not started it yet
+        r.publish(CANCEL_CHANNEL, request_id)           # for the worker that is answering it
+    except redis.RedisError as exc:
+        log.warning("could not cancel %s: %s", request_id, exc)
+        return False
+    return True
+
+
+def subscribe(job: dict, silence_limit_s: float) -> Iterator[dict]:
+    """The job's events from its own channel, ending with `done` or `error`; call it before sending the job.
+
+    Redis going away does not end the stream: the subscription is renewed once Redis is back, and a final
+    event published meanwhile is read from where the worker keeps it. Text deltas lost in between are made
+    up from the final text, so the deltas always add up to exactly the answer.
+    """
+    r = current_app.extensions["redis"]
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    try:
+        pubsub.subscribe(job["channel"])
+    except redis.RedisError as exc:
+        pubsub.close()
+        mark_unqueued(job["request_id"], exc)
+        raise unavailable() from exc
+    return _events(r, pubsub, job["request_id"], silence_limit_s)
+
+
+def _events(r: redis.Redis, pubsub, request_id: str, silence_limit_s: float) -> Iterator[dict]:
+    text = _Deltas()
+    heard = checked = time.monotonic()
+    try:
+        while time.monotonic() - heard < silence_limit_s:
+            try:
+                message = pubsub.get_message(timeout=1.0)
+                if message is None and time.monotonic() - checked > FINAL_CHECK_S:
+                    checked = time.monotonic()
+                    kept = r.get(final_key(request_id))
+                    event = json.loads(kept) if kept else None
+                else:
+                    event = json.loads(message["data"]) if message else None
+            except redis.RedisError as exc:
+                log.warning("lost Redis while waiting for %s (%s); resubscribing", request_id, exc)
+                time.sleep(0.5)
+                continue
+            if event is None:
+                continue
+            heard = time.monotonic()
+            yield from text.feed(event)
+            if event["event"] in ("done", "error"):
+                return
+    finally:
+        try:
+            pubsub.close()
+        except redis.RedisError:
+            pass
+
+
+class _Deltas:
+    """Turns the worker's deltas (each with its offset into the answer) into deltas with no gap or repeat."""
+
+    def __init__(self) -> None:
+        self.received, self.gap = 0, False
+
+    def feed(self, event: dict) -> list[dict]:
+        if event["event"] == "token":
+            offset = event.get("offset", self.received)
+            if self.gap or offset > self.received:   # some text was lost: the rest comes with the final event
+                self.gap = True
+                return []
+            new = event["text"][self.received - offset:]
+            self.received += len(new)
+            return [{**event, "text": new, "offset": self.received - len(new)}] if new else []
+        if event["event"] == "done" and len(event.get("text", "")) > self.received:
+            missing = event["text"][self.received:]
+            filler = {"event": "token", "request_id": event["request_id"], "text": missing, "offset": self.received}
+            self.received = len(event["text"])
+            return [filler, event]
+        return [event]

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 
 import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 
 def redis_server_binary() -> str:
@@ -30,22 +32,33 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_redis(workdir: Path, port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Run redis-server on 127.0.0.1 with nothing persisted; returns the process and its URL."""
+def start_redis(workdir: Path, port: int | None = None, persist: bool = True) -> tuple[subprocess.Popen, str]:
+    """Run redis-server on 127.0.0.1, keeping its data in `workdir`; returns the process and its URL.
+
+    With `persist`, every write reaches the append-only file before Redis answers it, so a request the web
+    app reported as queued survives a Redis restart or crash: started again on the same directory (and port),
+    Redis reloads the queue, the requests being answered and the stream positions.
+    """
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
+    durability = ["--appendonly", "yes", "--appendfsync", "always"] if persist else ["--appendonly", "no"]
     proc = subprocess.Popen(
-        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+        [redis_server_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", *durability,
          "--dir", str(workdir), "--logfile", str(workdir / "redis.log")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"redis://127.0.0.1:{port}/0"
-    deadline = time.monotonic() + 10
+    client = redis.Redis.from_url(url, socket_connect_timeout=1, retry=Retry(NoBackoff(), 0))
+    deadline = time.monotonic() + 30   # a long append-only file takes a moment to load
     while True:
         try:
-            redis.Redis.from_url(url).ping()
+            client.ping()
             return proc, url
-        except redis.ConnectionError:
+        except redis.ConnectionError:   # also while it is still loading its data
             if proc.poll() is not None or time.monotonic() > deadline:
                 proc.kill()
                 raise RuntimeError(f"redis-server did not start on port {port}; see {workdir / 'redis.log'}")
             time.sleep(0.05)
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1].split("/", 1)[0])

@@ -9,22 +9,29 @@ import time
 from datetime import UTC, datetime
 
 import redis
-from flask_socketio import SocketIO
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
-from worker.celery_app import CANCEL_CHANNEL, HEARTBEAT_PREFIX, visibility_timeout
+from worker.celery_app import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
+                               visibility_timeout)
+from worker.connections import SocketIOQueue, redis_client
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
+from worker.reaper import Reaper
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 10
 STREAMED_TTL_S = 3600
+# After Redis was unreachable, a final event is said twice (ECHO_DELAY_S apart) for this long: a web
+# process may still be resubscribing when the first one goes out (clients ignore the repeat).
+ECHO_WINDOW_S = 15
+ECHO_DELAY_S = 2.0
 
 
 def streamed_key(request_id: str) -> str:
@@ -33,6 +40,38 @@ def streamed_key(request_id: str) -> str:
 
 def utc(ts: float | None) -> datetime | None:
     return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
+
+
+class Unavailable(Exception):
+    """Redis or the database stayed unreachable for longer than the worker waits; the request goes back."""
+
+
+def transient_sql_error(exc: Exception) -> bool:
+    """A lost or refused database connection, as opposed to a bad statement."""
+    if isinstance(exc, (OperationalError, InterfaceError, PoolTimeout)):
+        return True
+    return isinstance(exc, DBAPIError) and exc.connection_invalidated
+
+
+def with_retries(action, is_transient, limit_s: float, what: str, max_pause_s: float = 5.0):
+    """Run `action` until it succeeds, pausing longer after each transient failure, for at most `limit_s`."""
+    deadline, pause, failures = time.monotonic() + limit_s, 0.25, 0
+    while True:
+        try:
+            result = action()
+            if failures:
+                log.info("%s succeeded after %d failed attempts", what, failures)
+            return result
+        except Exception as exc:
+            if not is_transient(exc):
+                raise
+            failures += 1
+            if time.monotonic() + pause > deadline:
+                raise Unavailable(f"{what}: {exc}") from exc
+            if failures == 1:
+                log.warning("%s failed (%s); retrying for up to %.0f s", what, exc, limit_s)
+            time.sleep(pause)
+            pause = min(max_pause_s, pause * 2)
 
 
 class WorkerRuntime:
@@ -45,17 +84,21 @@ class WorkerRuntime:
             max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
             kv_cache_memory_gib=s.kv_cache_gib))
         self.engine.start()
-        self.redis = redis.Redis.from_url(s.redis_url)
+        self.redis = redis_client(s.redis_url)
         self.metrics = WorkerMetrics(s.name, self.model_name)
         self.leases = Leases(self.redis, visibility_timeout())
         self.leases.start()
-        self.emitter = SocketIO(message_queue=s.redis_url)   # emits into every web process's rooms
+        # Emits into every web process's rooms; a failed publish raises, so a final event can be retried.
+        self.emitter = SocketIOQueue(s.redis_url, write_only=True, strict=True)
         self.sessions = make_session_factory(make_engine(s.database_url))
-        self._stop = threading.Event()
+        self.stopped = threading.Event()
         self.draining = threading.Event()       # shutting down: start nothing new
         self.handing_back = threading.Event()   # grace period over: unfinished answers go back to the queue
+        self.streaming_blind = threading.Event()   # text deltas are failing to reach Redis
+        self.redis_failed_at = -ECHO_WINDOW_S        # monotonic time of the latest failure seen
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
+        Reaper(self, s.lost_after_s).start()
         log.info("worker %s ready with %s (%d slots)", s.name, self.model_name, s.max_num_seqs)
 
     # ---- outputs ----------------------------------------------------------------------------
@@ -63,21 +106,79 @@ class WorkerRuntime:
     def emit(self, event: str, payload: dict, job: dict) -> None:
         """To the conversation's Socket.IO room, and to the request's own channel for HTTP clients."""
         if job.get("room"):
-            self.emitter.emit(event, payload, to=job["room"])
+            self.emitter.emit(event, payload, namespace="/", room=job["room"])
         if job.get("channel"):
             self.redis.publish(job["channel"], json.dumps({"event": event, **payload}))
 
-    def stream_text(self, job: dict, text: str) -> None:
-        """Send a text delta and count it, so a redelivery of this request resumes after it."""
-        self.emit("token", {"request_id": job["request_id"], "text": text}, job)
-        key = streamed_key(job["request_id"])
-        self.redis.pipeline(transaction=False).incrby(key, len(text)).expire(key, STREAMED_TTL_S).execute()
+    def stream_text(self, job: dict, text: str, offset: int) -> None:
+        """Send a text delta that starts `offset` characters into the answer; record the stream position after it.
+
+        While Redis is down the delta is lost (the final event carries the whole text, and clients see the gap
+        in the offsets); the position is recorded once Redis takes it, and a redelivery resumes from there.
+        """
+        rid = job["request_id"]
+        try:
+            self.emit("token", {"request_id": rid, "text": text, "offset": offset}, job)
+            self.redis.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
+        except redis.RedisError as exc:
+            self.redis_failed_at = time.monotonic()
+            if not self.streaming_blind.is_set():
+                log.warning("cannot stream answers while Redis is unreachable (%s); their ends are sent later", exc)
+            self.streaming_blind.set()
+            return
+        if self.streaming_blind.is_set():
+            self.streaming_blind.clear()
+            log.info("streaming answers again")
 
     def streamed_chars(self, request_id: str) -> int:
-        return int(self.redis.get(streamed_key(request_id)) or 0)
+        return int(self.redis_retrying(lambda: self.redis.get(streamed_key(request_id)), "reading a stream position")
+                   or 0)
+
+    def was_cancelled(self, request_id: str) -> bool:
+        return bool(self.redis_retrying(lambda: self.redis.exists(cancelled_key(request_id)),
+                                        "checking for a cancellation"))
+
+    def finish(self, event: str, payload: dict, job: dict) -> None:
+        """The request's last event, retried until Redis takes it; kept a while for an API listener that was away."""
+        def send() -> None:
+            if job.get("channel"):
+                self.redis.set(final_key(job["request_id"]), json.dumps({"event": event, **payload}), ex=FINAL_TTL_S)
+            self.emit(event, payload, job)
+            self.redis.delete(job_key(job["request_id"]))   # answered: nothing left to send again
+
+        self.redis_retrying(send, f"sending the end of {job['request_id']}")
+        if time.monotonic() - self.redis_failed_at < ECHO_WINDOW_S:
+            time.sleep(ECHO_DELAY_S)
+            try:
+                self.emit(event, payload, job)
+            except redis.RedisError:
+                pass
+
+    def redis_retrying(self, action, what: str):
+        def transient(exc: Exception) -> bool:
+            if isinstance(exc, redis.RedisError):
+                self.redis_failed_at = time.monotonic()
+                return True
+            return False
+
+        # Short pauses: the web processes are back within a second or so of Redis, and so should this be.
+        return with_retries(action, transient, self.settings.redis_retry_s, what, max_pause_s=1.0)
+
+    def sql_retrying(self, action, what: str):
+        return with_retries(action, transient_sql_error, self.settings.sql_retry_s, what)
 
     def store(self, job: dict, done: RequestFinished) -> bool:
-        """Write the answer and the latency record together; False if this request was answered before."""
+        """Write the answer and the latency record together; False if this request was answered before.
+
+        A database that is briefly away is waited for (SQL_RETRY_S); the write is one transaction, so a retry
+        never stores half of it, and the answer's unique request id keeps a retry from storing it twice.
+        """
+        stored = self.sql_retrying(lambda: self._write(job, done), f"storing the answer to {job['request_id']}")
+        if stored:
+            self.metrics.observe(job, done)
+        return stored
+
+    def _write(self, job: dict, done: RequestFinished) -> bool:
         with self.sessions() as db:
             record = db.get(RequestRecord, job["request_id"])
             if record is None:   # the web app could not write it (e.g. a direct enqueue): keep one anyway
@@ -98,11 +199,13 @@ class WorkerRuntime:
             except IntegrityError:   # another delivery stored its answer first
                 db.rollback()
                 return False
-        self.metrics.observe(job, done)
         return True
 
     def stored_outcome(self, job: dict) -> tuple[str, dict] | None:
         """The final event of a request whose answer is already stored, or None."""
+        return self.sql_retrying(lambda: self._read_outcome(job), f"looking up {job['request_id']}")
+
+    def _read_outcome(self, job: dict) -> tuple[str, dict] | None:
         with self.sessions() as db:
             record = db.get(RequestRecord, job["request_id"])
             if record is None or record.finished_at is None:
@@ -119,8 +222,8 @@ class WorkerRuntime:
                                admitted_time=None, first_token_time=None, finished_time=now,
                                mean_batch_size=0.0, error=message)
         self.store(job, done)
-        self.emit("error", {"request_id": job["request_id"], "code": code, "message": message,
-                            "retryable": code != "prompt_too_long"}, job)
+        self.finish("error", {"request_id": job["request_id"], "code": code, "message": message,
+                              "retryable": code != "prompt_too_long"}, job)
 
     def begin_shutdown(self) -> None:
         self.draining.set()
@@ -139,28 +242,40 @@ class WorkerRuntime:
     # ---- background threads -------------------------------------------------------------------
 
     def _listen_for_cancels(self) -> None:
-        while not self._stop.is_set():
+        lost = False
+        while not self.stopped.is_set():
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
             try:
-                pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(CANCEL_CHANNEL)
-                for message in pubsub.listen():
-                    self.engine.abort(message["data"].decode())
-            except redis.ConnectionError:
-                log.warning("lost Redis while listening for cancellations; retrying")
-                time.sleep(1)
+                if lost:
+                    log.info("listening for cancellations again")
+                    lost = False
+                while not self.stopped.is_set():
+                    message = pubsub.get_message(timeout=1.0)
+                    if message is not None:
+                        self.engine.abort(message["data"].decode())
+            except redis.RedisError as exc:
+                # A cancel sent meanwhile is lost; its key (cancelled_key) still stops a request not yet started.
+                if not lost:
+                    log.warning("lost Redis while listening for cancellations (%s); retrying", exc)
+                lost = True
+                self.stopped.wait(1)
+            finally:
+                pubsub.close()
 
     def _beat(self) -> None:
         """A key with a short TTL: /readyz sees a live worker while it keeps being refreshed."""
-        while not self._stop.is_set():
+        while not self.stopped.is_set():
             stats = self.engine.stats()
             try:
                 self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
                     "kv_usage": stats.kv_usage, "time": time.time()}), ex=HEARTBEAT_TTL_S)
                 self.metrics.publish(self.redis, stats)
-            except redis.ConnectionError:
-                pass
-            self._stop.wait(2)
+            except redis.RedisError as exc:
+                self.redis_failed_at = time.monotonic()
+                log.debug("no heartbeat this time: %s", exc)
+            self.stopped.wait(2)
 
 
 def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, completion_tokens: int,

@@ -23,4 +23,11 @@ class WorkerSettings:
     kv_cache_gib: float = field(default_factory=lambda: float(os.environ.get("KV_CACHE_GIB", "1.0")))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
     shutdown_grace_s: float = field(default_factory=lambda: float(os.environ.get("SHUTDOWN_GRACE_S", "15")))
+    # How long a finished answer waits for the database (its final write) and for Redis (its final event)
+    # before the request is handed back to the queue to be answered again.
+    sql_retry_s: float = field(default_factory=lambda: float(os.environ.get("SQL_RETRY_S", "60")))
+    redis_retry_s: float = field(default_factory=lambda: float(os.environ.get("REDIS_RETRY_S", "60")))
+    # An accepted request found in no queue and held by no worker this long after it was accepted was lost in
+    # a fault (worker/reaper.py): it is queued again from its copy, or its customer is told to send it again.
+    lost_after_s: float = field(default_factory=lambda: float(os.environ.get("LOST_AFTER_S", "20")))
     name: str = field(default_factory=lambda: os.environ.get("WORKER_NAME", f"worker@{socket.gethostname()}"))

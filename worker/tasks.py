@@ -8,9 +8,10 @@ import threading
 from celery.exceptions import Reject
 from celery.signals import task_postrun, task_received, worker_init, worker_shutdown, worker_shutting_down
 
-from worker.celery_app import GENERATE_TASK, cancelled_key, celery
-from worker.engine import InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams, TokenDelta
-from worker.runtime import WorkerRuntime, fit_to_context, outcome
+from worker.celery_app import GENERATE_TASK, celery
+from worker.engine import (InvalidParamsError, InvalidRequestError, RequestFinished, RequestStream, SamplingParams,
+                           TokenDelta)
+from worker.runtime import Unavailable, WorkerRuntime, fit_to_context, outcome
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +43,7 @@ def _drain(**_) -> None:
 @worker_shutdown.connect
 def _stop_engine(**_) -> None:
     if _runtime is not None:
+        _runtime.stopped.set()
         _runtime.leases.stop()
         _runtime.engine.shutdown()
 
@@ -59,40 +61,69 @@ def _drop_lease(task_id=None, **_) -> None:
 @celery.task(name=GENERATE_TASK, acks_late=True, reject_on_worker_lost=True)
 def generate(job: dict) -> None:
     rt = runtime()
-    rid = job["request_id"]
     if rt.draining.is_set():
         raise Reject("this worker is shutting down", requeue=True)
+    try:
+        answer(rt, job)
+    except Unavailable as exc:
+        # Never acked as done: the request is answered again (or its stored answer shown) once both are back.
+        log.warning("handing %s back to the queue: %s", job["request_id"], exc)
+        raise Reject(str(exc), requeue=True) from exc
+
+
+def answer(rt: WorkerRuntime, job: dict) -> None:
+    rid = job["request_id"]
     if (stored := rt.stored_outcome(job)) is not None:   # answered before: show it again, never regenerate
         log.info("request %s was answered before; not generating again", rid)
-        rt.emit(*stored, job)
+        rt.finish(*stored, job)
         return
-    if rt.redis.exists(cancelled_key(rid)):
+    if rt.was_cancelled(rid):
         rt.fail(job, "cancelled", "The request was cancelled before it started.")
         return
+    # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
+    # so the customer's stream resumes after what an earlier delivery already showed.
+    shown = rt.streamed_chars(rid)
+    stream = submit(rt, job)
+    if stream is not None:
+        relay(rt, job, stream, shown)
+
+
+def submit(rt: WorkerRuntime, job: dict) -> RequestStream | None:
+    """The request's stream from the engine, or None when it was answered with an error (or is already running)."""
     try:
         params = SamplingParams(**job.get("params", {}))
         params.validate()
         # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
         _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve)
-        stream = rt.engine.submit(rid, prompt_token_ids=prompt_ids, params=params)
+        return rt.engine.submit(job["request_id"], prompt_token_ids=prompt_ids, params=params)
     except (InvalidRequestError, InvalidParamsError) as exc:
         if "already in use" in str(exc):   # the same request is being answered in this process
-            return
+            return None
         rt.fail(job, "prompt_too_long" if "too long" in str(exc) else "invalid_request", str(exc))
-        return
-    # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
-    # so the customer's stream resumes after what an earlier delivery already showed.
-    skip = rt.streamed_chars(rid)
-    for batch in stream.batches():
-        last = batch[-1]
-        if isinstance(last, RequestFinished) and last.finish_reason == "error" and rt.handing_back.is_set():
-            log.info("handing %s back to the queue", rid)
-            raise Reject("the worker's shutdown grace period ended", requeue=True)
-        text = "".join(event.text for event in batch if isinstance(event, TokenDelta))
-        text, skip = text[skip:], max(0, skip - len(text))
-        if text:
-            rt.stream_text(job, text)
-        if isinstance(last, RequestFinished) and rt.store(job, last):
-            # store() is False when another delivery stored (and showed) this answer first.
-            rt.emit(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens), job)
+        return None
+
+
+def relay(rt: WorkerRuntime, job: dict, stream: RequestStream, shown: int) -> None:
+    """Stream the text past the first `shown` characters, then store the answer and send its end."""
+    produced, finished = 0, False
+    try:
+        for batch in stream.batches():
+            last = batch[-1]
+            finished = isinstance(last, RequestFinished)
+            if finished and last.finish_reason == "error" and rt.handing_back.is_set():
+                log.info("handing %s back to the queue", job["request_id"])
+                raise Reject("the worker's shutdown grace period ended", requeue=True)
+            text = "".join(event.text for event in batch if isinstance(event, TokenDelta))
+            if produced + len(text) > shown:
+                new = text[max(0, shown - produced):]
+                rt.stream_text(job, new, produced + len(text) - len(new))
+                shown = produced + len(text)
+            produced += len(text)
+            if finished and rt.store(job, last):
+                # store() is False when another delivery stored (and showed) this answer first.
+                rt.finish(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens),
+                          job)
+    finally:
+        if not finished:   # an unexpected error: free the slot rather than generate for nobody
+            rt.engine.abort(job["request_id"])

@@ -8,11 +8,16 @@
  * Events (default namespace):
  *   emit   chat_message {conversation_id?, text}      emit cancel {request_id}
  *   on     accepted {request_id, conversation_id}
- *          token    {request_id, text}                a text delta
+ *          token    {request_id, text, offset}        a text delta, `offset` characters into the answer
  *          done     {request_id, conversation_id, text, finish_reason, prompt_tokens, completion_tokens}
  *          error    {request_id?, code, message, retryable}
  *
  * Model and user text only ever reaches the page through text nodes, never as HTML.
+ *
+ * A lost connection does not lose an answer: the worker keeps writing it and stores it. After a
+ * reconnect (to the same web process or another) the page rejoins the conversation's room and reads
+ * GET /conversations/<id> to fill in an answer that finished while it was away; it reads it again
+ * whenever an answer goes quiet, in case its end was lost on the way (e.g. while Redis restarted).
  */
 (function () {
   'use strict';
@@ -26,6 +31,11 @@
 
   // If the server never confirms a Stop, give the controls back after this long.
   var CANCEL_GRACE_MS = 8000;
+
+  // An answer that sends nothing for this long is looked up in the stored conversation; the pause
+  // doubles after each look that finds it still under way, up to the maximum.
+  var QUIET_CHECK_MS = 5000;
+  var QUIET_CHECK_MAX_MS = 30000;
 
   // Follow the stream only while the reader is already near the bottom of the thread.
   var STICKY_SCROLL_PX = 96;
@@ -53,8 +63,13 @@
   var state = {
     conversationId: els.root.getAttribute('data-conversation-id') || null,
     connected: false,
-    // The request being answered: {text, requestId, el, textNode, cancelRequested, cancelTimer}.
+    // Set after the first connect, so the next one is known to be a reconnect.
+    wasConnected: false,
+    // The request being answered: {text, requestId, el, textNode, received, base, gap, heardAt,
+    // quietMs, cancelRequested, cancelTimer}.
     current: null,
+    // A look at the stored conversation is under way.
+    syncing: false,
     // Requests already finished or given up here; their late events must not open a new answer.
     settled: new Set()
   };
@@ -171,6 +186,13 @@
       requestId: null,
       el: answer,
       textNode: textOf(answer).firstChild,
+      // Characters (code points, as the server counts them) of the answer shown, from `base` on.
+      received: 0,
+      base: null,
+      // Some text never arrived: the rest waits for the final text.
+      gap: false,
+      heardAt: Date.now(),
+      quietMs: QUIET_CHECK_MS,
       cancelRequested: false,
       cancelTimer: null
     };
@@ -243,27 +265,55 @@
     var current = state.current;
     // `accepted` goes only to the sender, so it names the request this page just sent.
     if (!current || current.requestId !== null || !payload) return;
+    heard(current);
     current.requestId = payload.request_id;
     current.el.setAttribute('data-request-id', payload.request_id);
     if (payload.conversation_id) setConversationId(payload.conversation_id);
     if (current.cancelRequested) socket.emit('cancel', { request_id: current.requestId });
   }
 
+  function codePoints(text) {
+    return Array.from(text);
+  }
+
+  // Only text that continues exactly where the shown text ends is added: a repeat (a resumed
+  // stream) is trimmed, and after a gap the final text fills in the rest.
   function handleToken(payload) {
     if (!payload || !payload.text) return;
     var current = answerFor(payload);
     if (!current) return;
+    heard(current);
+    var offset = typeof payload.offset === 'number' ? payload.offset : null;
+    // An answer followed from the middle (e.g. after a reload) is shown from where it was joined.
+    if (current.base === null) current.base = offset === null ? 0 : offset;
+    var at = current.base + current.received;
+    if (offset === null) offset = at;
+    if (current.gap || offset > at) {
+      current.gap = true;
+      return;
+    }
+    var text = codePoints(payload.text).slice(at - offset);
+    if (!text.length) return;
     var follow = isNearBottom();
     removeTypingIndicator(current.el);
-    current.textNode.appendData(payload.text);
+    current.textNode.appendData(text.join(''));
+    current.received += text.length;
     if (follow) scrollToBottom();
+  }
+
+  function heard(current) {
+    current.heardAt = Date.now();
+    current.quietMs = QUIET_CHECK_MS;
   }
 
   function handleDone(payload) {
     var current = answerFor(payload);
     if (!current) return;
     // The final text is authoritative: it covers any delta lost on the way.
-    if (typeof payload.text === 'string') current.textNode.data = payload.text;
+    if (typeof payload.text === 'string') {
+      removeTypingIndicator(current.el);
+      current.textNode.data = payload.text;
+    }
     if (payload.conversation_id) setConversationId(payload.conversation_id);
     if (payload.prompt_tokens != null) current.el.setAttribute('data-prompt-tokens', payload.prompt_tokens);
     if (payload.completion_tokens != null) {
@@ -373,6 +423,80 @@
     });
   }
 
+  /* ---------- Catching up with the stored conversation ---------- */
+
+  // Reads the stored conversation and settles the answer in progress from it, if it can.
+  function resync() {
+    var current = state.current;
+    if (!current || !state.conversationId || state.syncing) return;
+    state.syncing = true;
+    fetch('/conversations/' + encodeURIComponent(state.conversationId), {
+      credentials: 'same-origin',
+      cache: 'no-store',
+      headers: { Accept: 'application/json' }
+    }).then(function (response) {
+      return response.ok ? response.json() : null;
+    }).then(function (data) {
+      if (data && state.current === current) reconcile(current, data);
+    }).catch(function () {
+      // Offline or the server is restarting: the next reconnect or quiet check tries again.
+    }).then(function () {
+      state.syncing = false;
+    });
+  }
+
+  function reconcile(current, data) {
+    var messages = Array.isArray(data.messages) ? data.messages : [];
+    var unfinished = Array.isArray(data.unfinished) ? data.unfinished : [];
+    if (current.requestId === null && !adoptUnconfirmed(current, messages, unfinished)) return;
+    var stored = messages.filter(function (m) { return m.request_id === current.requestId; })[0];
+    if (stored) {
+      removeTypingIndicator(current.el);
+      current.textNode.data = stored.content;
+      finishAnswer('stop');
+    } else if (unfinished.indexOf(current.requestId) < 0) {
+      // It ended without an answer (stopped, or failed) while this page was not listening.
+      interrupt('The answer was interrupted; please send your message again.');
+    }
+    // Otherwise it is still queued or being written: its events reach the rejoined room.
+  }
+
+  // A message sent just before the connection dropped, never confirmed by `accepted`: the stored
+  // conversation tells whether the server took it, and which request answers it.
+  function adoptUnconfirmed(current, messages, unfinished) {
+    var users = messages.filter(function (m) { return m.role === 'user'; }).length;
+    var shown = els.messages.querySelectorAll('[data-role="user"]').length;
+    if (users < shown) {
+      interrupt('Your message did not reach us; please send it again.');
+      return false;
+    }
+    var last = messages[messages.length - 1];
+    var id = last && last.role === 'assistant' ? last.request_id : unfinished[unfinished.length - 1];
+    if (!id) {
+      interrupt('The answer was interrupted; please send your message again.');
+      return false;
+    }
+    current.requestId = id;
+    current.el.setAttribute('data-request-id', id);
+    return true;
+  }
+
+  function interrupt(message) {
+    var text = state.current && state.current.text;
+    finishAnswer('error');
+    addToThread(createNotice(message, text));
+  }
+
+  // While an answer is under way and quiet, look it up now and then (with a growing pause).
+  function checkQuietAnswer() {
+    var current = state.current;
+    if (!current || current.requestId === null || !state.connected) return;
+    if (Date.now() - current.heardAt < current.quietMs) return;
+    current.heardAt = Date.now();
+    current.quietMs = Math.min(QUIET_CHECK_MAX_MS, current.quietMs * 2);
+    resync();
+  }
+
   /* ---------- Connection ---------- */
 
   function handleConnect() {
@@ -380,18 +504,16 @@
     setStatus('connected');
     // Rooms do not survive a reconnect: rejoin so this conversation's answers reach the page.
     if (state.conversationId) socket.emit('join', { conversation_id: state.conversationId });
+    // What happened while away: an answer may have finished, or still be on its way.
+    if (state.wasConnected && state.current) resync();
+    state.wasConnected = true;
     updateControls();
   }
 
   function handleDisconnect(reason) {
     state.connected = false;
     setStatus('reconnecting');
-    // The server stops the answers of a connection that goes away, so an answer in flight is lost.
-    if (state.current) {
-      var text = state.current.text;
-      finishAnswer('error');
-      addToThread(createNotice('The connection was lost before the answer finished.', text));
-    }
+    // An answer in progress is kept: after the reconnect it is caught up from the stored conversation.
     // The client only reconnects by itself when the server did not close the socket on purpose.
     if (reason === 'io server disconnect') socket.connect();
     updateControls();
@@ -458,4 +580,5 @@
   updateControls();
   scrollToBottom();
   keepBottomOnResize();
+  window.setInterval(checkQuietAnswer, 1000);
 })();

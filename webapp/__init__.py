@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
-import redis
 from flask import Flask
 from flask_socketio import SocketIO
 
 from models.db import make_engine, make_session_factory
 from worker.celery_app import make_celery
+from worker.connections import SocketIOQueue, redis_client
 
 from . import config
 
 socketio = SocketIO()
+
+# Large enough that an oversized chat message reaches the handler and gets a clear `message_too_long`
+# error (MAX_MESSAGE_CHARS is far smaller); anything bigger still closes the connection.
+SOCKET_BUFFER_BYTES = 1536 * 1024
 
 
 def create_app(overrides: dict | None = None) -> Flask:
@@ -19,16 +23,22 @@ def create_app(overrides: dict | None = None) -> Flask:
     app.config.update(config.load())
     app.config.update(overrides or {})
     config.check_production(app.config)
-    app.extensions["redis"] = redis.Redis.from_url(app.config["REDIS_URL"])
+    app.extensions["redis"] = redis_client(app.config["REDIS_URL"])
     app.extensions["celery"] = make_celery(app.config["REDIS_URL"])
     app.extensions["db"] = make_session_factory(make_engine(app.config["DATABASE_URL"]))
     # Every web process listens on the same Redis channel, so the worker's emits reach any of them.
-    socketio.init_app(app, message_queue=app.config["REDIS_URL"], async_mode="threading",
-                      max_http_buffer_size=64 * 1024)
+    socketio.init_app(app, client_manager=SocketIOQueue(app.config["REDIS_URL"]), async_mode="threading",
+                      max_http_buffer_size=SOCKET_BUFFER_BYTES)
 
-    from . import api, auth, chat, dashboard, health, metrics
+    from . import api, auth, chat, dashboard, health, limits, metrics, security
+    try:
+        limits.init_app(app)
+    except ValueError as exc:
+        raise config.ConfigError(str(exc)) from exc
+    security.init_app(app)
+    security.trust_proxies(app)   # outermost, so Socket.IO connections see the client's address too
     app.register_blueprint(chat.bp)
-    app.register_blueprint(api.bp)
+    api.init_app(app)
     app.register_blueprint(health.bp)
     auth.init_app(app)
     app.register_blueprint(dashboard.bp)

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from functools import wraps
 from urllib.parse import urlsplit
 
-from flask import Blueprint, Flask, Response, abort, current_app, redirect, render_template, request, session, url_for
+from flask import Blueprint, Flask, abort, current_app, redirect, render_template, request, session, url_for
 from werkzeug.security import check_password_hash
 
-from . import config
+from . import config, limits
 
 bp = Blueprint("auth", __name__)
 
@@ -25,21 +25,6 @@ def init_app(app: Flask) -> None:
     app.config["OPERATOR_PASSWORD"] = None
     app.context_processor(lambda: {"csrf_token": csrf_token})
     app.register_blueprint(bp)
-
-
-# The operators' pages load nothing inline and nothing from elsewhere; the browser enforces it.
-CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'")
-
-
-def strict_headers(response: Response) -> Response:
-    response.headers.setdefault("Content-Security-Policy", CSP)
-    response.headers.setdefault("X-Content-Type-Options", "nosniff")
-    response.headers.setdefault("Referrer-Policy", "same-origin")
-    return response
-
-
-bp.after_request(strict_headers)
 
 
 def csrf_token() -> str:
@@ -95,11 +80,18 @@ def login():
     if request.method == "POST":
         check_csrf()
         username, password = request.form.get("username", ""), request.form.get("password", "")
+        try:
+            # Per address and per username, so neither one client nor many guessing one name get far.
+            attempt_keys, attempt = limits.limit_login(username)
+        except limits.RateLimited as exc:
+            return render_template("login.html", error=exc.message, next=request.form.get("next", ""),
+                                   username=username), 429, {"Retry-After": str(exc.retry_after)}
         hashed = current_app.config["OPERATOR_PASSWORD_HASH"]
         user_ok = hmac.compare_digest(username.encode(), current_app.config["OPERATOR_USERNAME"].encode())
         # The hash is checked even for a wrong name, so the answer's timing does not reveal valid names.
         password_ok = bool(hashed) and check_password_hash(hashed, password)
         if user_ok and password_ok:
+            limits.refund(current_app.extensions["redis"], attempt_keys, attempt)   # only failures count
             session.pop(CSRF_KEY, None)   # a fresh CSRF token for the logged-in operator
             session[OPERATOR_KEY] = username
             return redirect(safe_next(request.form.get("next")))

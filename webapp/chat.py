@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 
 from flask import Blueprint, current_app, render_template, request, session
-from flask_socketio import emit, join_room
+from flask_socketio import ConnectionRefusedError, emit, join_room
 
 from models import Conversation, Message, RequestRecord
 
-from . import queue, socketio
+from . import limits, queue, socketio
 from .queue import UserError
+from .security import clean_text
 
 bp = Blueprint("chat", __name__)
+
+# Conversation and request ids are uuid4 hex; anything else is not looked up at all.
+ID = re.compile(r"^[0-9a-f]{32}$")
+MESSAGE_FIELDS = ("text", "conversation_id", "max_new_tokens")
+# Pages and JSON that hold a customer's conversation: never kept by a shared cache or the back button.
+PRIVATE = {"Cache-Control": "no-store"}
 
 # Request ids in flight per socket, so a closed tab cancels its answers.
 _in_flight: dict[str, set[str]] = {}
@@ -26,7 +34,8 @@ def owner_id() -> str:
 
 def own_conversation(db, conversation_id: object) -> Conversation:
     """The caller's conversation; someone else's reads exactly like one that does not exist."""
-    conv = db.get(Conversation, conversation_id) if isinstance(conversation_id, str) else None
+    valid = isinstance(conversation_id, str) and ID.match(conversation_id)
+    conv = db.get(Conversation, conversation_id) if valid else None
     if conv is None or conv.owner != owner_id():
         raise UserError("unknown_conversation", "This conversation does not exist or is not yours; "
                                                 "start a new conversation.")
@@ -45,7 +54,7 @@ def page():
                 conversation_id = None
     owner_id()
     return render_template("chat.html", conversation_id=conversation_id, history=history,
-                           shop_name=current_app.config["SHOP_NAME"])
+                           shop_name=current_app.config["SHOP_NAME"]), PRIVATE
 
 
 def validate_max_new_tokens(payload: dict) -> int:
@@ -59,28 +68,52 @@ def validate_max_new_tokens(payload: dict) -> int:
 
 
 def validate_message(payload: object) -> tuple[str, str | None]:
+    """The message's text, cleaned of control characters, and its conversation id; or a UserError."""
     if not isinstance(payload, dict):
         raise UserError("bad_request", "Send an object like {\"text\": \"...\", \"conversation_id\": \"...\"}.")
+    unknown = sorted(str(k) for k in payload if k not in MESSAGE_FIELDS)
+    if unknown:
+        raise UserError("unknown_field", f"Unknown field {', '.join(map(repr, unknown))[:200]}; a message has only "
+                                         f"{', '.join(MESSAGE_FIELDS)}.")
     text, conversation_id = payload.get("text"), payload.get("conversation_id")
-    if not isinstance(text, str) or not text.strip():
-        raise UserError("empty_message", "Type a message before sending.")
+    if text is not None and not isinstance(text, str):
+        raise UserError("empty_message", "'text' must be a string: type a message before sending.")
     limit = current_app.config["MAX_MESSAGE_CHARS"]
-    if len(text) > limit:
+    if text is not None and len(text) > limit:
         raise UserError("message_too_long", f"Messages can be at most {limit} characters; "
                                             f"this one has {len(text)}. Shorten it or split it.")
+    text = clean_text(text or "").strip()
+    if not text:
+        raise UserError("empty_message", "Type a message before sending.")
     if conversation_id is not None and not isinstance(conversation_id, str):
         raise UserError("bad_request", "conversation_id must be a string; omit it to start a new conversation.")
-    return text.strip(), conversation_id
+    return text, conversation_id
+
+
+def emit_error(exc: UserError, request_id: str | None = None) -> None:
+    body = {"code": exc.code, "message": exc.message, "retryable": exc.retryable}
+    if request_id is not None:
+        body["request_id"] = request_id
+    if isinstance(exc, limits.RateLimited):
+        body["retry_after"] = exc.retry_after
+    emit("error", body)
 
 
 @socketio.on("connect")
 def on_connect(auth=None):
     owner_id()
+    counter = current_app.extensions["limits"].connections
+    if not counter.acquire(limits.client_address(), request.sid):
+        message = (f"Too many open chat connections from your address (at most {counter.limit}); "
+                   "close other chat tabs and try again.")
+        raise ConnectionRefusedError(message, {"code": "too_many_connections", "message": message,
+                                               "retryable": True})
     _in_flight[request.sid] = set()
 
 
 @socketio.on("disconnect")
 def on_disconnect(*_):
+    current_app.extensions["limits"].connections.release(request.sid)
     for request_id in _in_flight.pop(request.sid, set()):
         queue.cancel(request_id)
 
@@ -94,18 +127,20 @@ def on_join(payload=None):
             own_conversation(db, conversation_id)
         join_room(conversation_id)
     except UserError as exc:
-        emit("error", {"code": exc.code, "message": exc.message, "retryable": exc.retryable})
+        emit_error(exc)
 
 
 @socketio.on("chat_message")
 def on_chat_message(payload=None):
     try:
+        # Counted before anything else, so a flood of malformed messages is throttled too.
+        limits.limit_message(owner_id())
         text, conversation_id = validate_message(payload)
         max_new_tokens = validate_max_new_tokens(payload)
         queue.check_room()
         job = store_chat(text, conversation_id, max_new_tokens)
     except UserError as exc:
-        emit("error", {"code": exc.code, "message": exc.message, "retryable": exc.retryable})
+        emit_error(exc)
         return
     # Joined and told before the job is queued, so even a fast worker's first token finds the client ready.
     join_room(job["conversation_id"])
@@ -113,8 +148,7 @@ def on_chat_message(payload=None):
     try:
         queue.send(job)
     except UserError as exc:
-        emit("error", {"request_id": job["request_id"], "code": exc.code, "message": exc.message,
-                       "retryable": exc.retryable})
+        emit_error(exc, job["request_id"])
         return
     _in_flight.setdefault(request.sid, set()).add(job["request_id"])
 
@@ -142,7 +176,8 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int) -> d
 def on_cancel(payload=None):
     request_id = payload.get("request_id") if isinstance(payload, dict) else None
     with current_app.extensions["db"]() as db:
-        record = db.get(RequestRecord, request_id) if isinstance(request_id, str) else None
+        valid = isinstance(request_id, str) and ID.match(request_id)
+        record = db.get(RequestRecord, request_id) if valid else None
         owned = record is not None and record.conversation_id is not None
         if owned:
             try:
@@ -150,8 +185,9 @@ def on_cancel(payload=None):
             except UserError:
                 owned = False
     if not owned:
-        emit("error", {"request_id": request_id, "code": "unknown_request", "retryable": False,
-                       "message": "There is no answer of yours with that id to stop."})
+        echo = request_id if isinstance(request_id, str) and len(request_id) <= 64 else None
+        emit("error", {"request_id": echo, "code": "unknown_request",
+                       "retryable": False, "message": "There is no answer of yours with that id to stop."})
         return
     queue.cancel(request_id)
 
@@ -162,5 +198,10 @@ def conversation_json(conversation_id: str):
         try:
             conv = own_conversation(db, conversation_id)
         except UserError as exc:
-            return {"error": {"code": exc.code, "message": exc.message}}, 404
-        return {"id": conv.id, "messages": [{"role": m.role, "content": m.content} for m in conv.messages]}
+            return {"error": {"code": exc.code, "message": exc.message}}, 404, PRIVATE
+        # Request ids and the answers still under way let a reconnecting page settle what it missed.
+        unfinished = [r.request_id for r in db.query(RequestRecord.request_id)
+                      .filter_by(conversation_id=conv.id, finished_at=None).order_by(RequestRecord.enqueued_at)]
+        return {"id": conv.id, "unfinished": unfinished,
+                "messages": [{"role": m.role, "content": m.content, "request_id": m.request_id}
+                             for m in conv.messages]}, 200, PRIVATE

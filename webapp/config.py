@@ -83,6 +83,8 @@ def check_production(cfg: dict) -> None:
     """Refuse to serve in production with a secret that is missing or left at a well-known value."""
     if cfg.get("SUPPORTBOT_ENV") != "production":
         return
+    if cfg.get("DEBUG"):   # the Werkzeug debugger runs Python for anyone who sees its error page
+        raise ConfigError("SUPPORTBOT_ENV=production refuses debug mode: unset FLASK_DEBUG.")
     secret = str(cfg.get("SECRET_KEY") or "")
     if secret.strip().lower() in KNOWN_DEFAULT_SECRETS or len(secret) < 16:
         raise ConfigError("SUPPORTBOT_ENV=production needs SECRET_KEY: set it to a long random value shared by "
@@ -103,6 +105,13 @@ def check_production(cfg: dict) -> None:
                           "characters; set it to a long random value, or unset it to scrape with a login only.")
 
 
+def flag(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return value.strip().lower() not in ("0", "false", "no", "off")
+
+
 def system_prompt(shop: str) -> str:
     if os.environ.get("SYSTEM_PROMPT_FILE"):
         return Path(os.environ["SYSTEM_PROMPT_FILE"]).read_text().strip()
@@ -116,6 +125,15 @@ def load() -> dict:
         "SECRET_KEY": os.environ.get("SECRET_KEY") if production() else _secret_key(),
         "SUPPORTBOT_ENV": "production" if production() else "development",
         "SESSION_COOKIE_SAMESITE": "Lax",
+        "SESSION_COOKIE_HTTPONLY": True,
+        # Production sends cookies over HTTPS only; a plain-HTTP deployment opts out with SESSION_COOKIE_SECURE=0.
+        "SESSION_COOKIE_SECURE": flag("SESSION_COOKIE_SECURE", production()),
+        "TRUSTED_PROXY_HOPS": int(os.environ.get("TRUSTED_PROXY_HOPS", "0")),
+        "MAX_CONTENT_LENGTH": int(os.environ.get("MAX_REQUEST_BYTES", str(1024 * 1024))),
+        "RATE_LIMIT_PER_SESSION": os.environ.get("RATE_LIMIT_PER_SESSION", "60/minute"),
+        "RATE_LIMIT_PER_IP": os.environ.get("RATE_LIMIT_PER_IP", "600/minute"),
+        "LOGIN_RATE_LIMIT": os.environ.get("LOGIN_RATE_LIMIT", "10/minute"),
+        "MAX_CONNECTIONS_PER_IP": int(os.environ.get("MAX_CONNECTIONS_PER_IP", "50")),
         "OPERATOR_USERNAME": os.environ.get("OPERATOR_USERNAME", "operator"),
         "OPERATOR_PASSWORD": os.environ.get("OPERATOR_PASSWORD") or None,
         "OPERATOR_PASSWORD_HASH": os.environ.get("OPERATOR_PASSWORD_HASH") or None,

@@ -5,10 +5,9 @@ from __future__ import annotations
 from flask import Blueprint, current_app, render_template, request
 
 from . import aggregates
-from .auth import operator_required, strict_headers
+from .auth import operator_required
 
 bp = Blueprint("dashboard", __name__, url_prefix="/dashboard")
-bp.after_request(strict_headers)
 
 POLL_SECONDS = 5
 

@@ -396,6 +396,32 @@ def test_threaded_submit_stream_and_cancel(tiny):
         engine.shutdown()
 
 
+def test_launch_builds_the_engine_in_the_thread_that_runs_it(tiny):
+    model, tok = tiny
+    built_in = []
+
+    def build() -> LLMEngine:
+        built_in.append(threading.current_thread())
+        return LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64))
+
+    engine = LLMEngine.launch(build)
+    try:
+        assert built_in == [engine._thread] and built_in[0] is not threading.current_thread()
+        final = [e for e in engine.submit("a", prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(5))][-1]
+        assert final.finish_reason == "length" and final.completion_tokens == 5
+    finally:
+        engine.shutdown()
+    assert not built_in[0].is_alive()
+
+
+def test_launch_raises_what_the_build_raised():
+    def build() -> LLMEngine:
+        raise FileNotFoundError("no such model: ./nowhere")
+
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        LLMEngine.launch(build)
+
+
 def test_shutdown_ends_open_streams_with_an_error(tiny):
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, num_blocks=64))

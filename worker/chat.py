@@ -23,9 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     print("Loading the model...", flush=True)
-    model, tokenizer = load_model(args.model, args.device, args.dtype)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=4))
-    engine.start()
+    engine = LLMEngine.launch(lambda: LLMEngine(*load_model(args.model, args.device, args.dtype),
+                                                EngineConfig(max_num_seqs=4)))
     history = [{"role": "system", "content": os.environ.get("SYSTEM_PROMPT", DEFAULT_SYSTEM_PROMPT)}]
     print("Ask the shop's assistant anything (Ctrl-D to quit).")
     try:

@@ -78,12 +78,11 @@ class WorkerRuntime:
     def __init__(self, settings: WorkerSettings | None = None) -> None:
         self.settings = settings or WorkerSettings()
         s = self.settings
-        model, tokenizer = load_model(s.model, s.device, s.dtype)
-        self.model_name = getattr(model, "name_or_source", s.model or "default")
-        self.engine = LLMEngine(model, tokenizer, EngineConfig(
-            max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-            kv_cache_memory_gib=s.kv_cache_gib))
-        self.engine.start()
+        config = EngineConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
+                              kv_cache_memory_gib=s.kv_cache_gib)
+        # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).
+        self.engine = LLMEngine.launch(lambda: LLMEngine(*load_model(s.model, s.device, s.dtype), config))
+        self.model_name = getattr(self.engine.runner.model, "name_or_source", s.model or "default")
         self.redis = redis_client(s.redis_url)
         self.metrics = WorkerMetrics(s.name, self.model_name)
         self.leases = Leases(self.redis, visibility_timeout())

@@ -64,7 +64,9 @@ def through_stack(requests_: list[dict], slots: int, workdir: Path, protocol: st
     port = free_port()
     env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": db_url, "MAX_NUM_SEQS": str(slots),
            "PORT": str(port), "QUEUE_LIMIT": "1000", "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
-           "MAX_NEW_TOKENS": str(max(q["cap"] for q in requests_))}
+           "MAX_NEW_TOKENS": str(max(q["cap"] for q in requests_)),
+           # Every customer here comes from one address: the abuse limits would measure themselves.
+           "RATE_LIMIT_PER_SESSION": "off", "RATE_LIMIT_PER_IP": "off", "MAX_CONNECTIONS_PER_IP": "0"}
     env.pop("MODEL", None)
     if model_name:
         env["MODEL"] = model_name
@@ -91,6 +93,7 @@ def through_stack(requests_: list[dict], slots: int, workdir: Path, protocol: st
                 c.send(start)
             for c in clients:
                 results[c.q["id"]] = c.wait()
+            _close_all(clients)
         else:
             threads = [threading.Thread(target=lambda q=q: results.__setitem__(q["id"], _post(base, q, q["cap"], start)))
                        for q in requests_]
@@ -98,7 +101,7 @@ def through_stack(requests_: list[dict], slots: int, workdir: Path, protocol: st
                 t.start()
             for t in threads:
                 t.join()
-        wall = time.time() - start
+        wall = max(res["finished_at"] for res in results.values()) - start
         with make_session_factory(make_engine(db_url))() as db:
             tokens = sum(db.get(RequestRecord, res["request_id"]).completion_tokens or 0 for res in results.values())
         return {"tokens": tokens, "wall_s": wall, "ttft": [res["ttft"] for res in results.values()],
@@ -143,7 +146,6 @@ class _Customer:
     def wait(self) -> dict:
         if not self.finished.wait(600):
             raise TimeoutError(f"request {self.q['id']} got no answer")
-        self.sio.disconnect()
         return self.result
 
     def _token(self, data: dict) -> None:
@@ -151,18 +153,32 @@ class _Customer:
         self.parts.append(data["text"])
 
     def _done(self, data: dict) -> None:
-        self.result = {"ttft": self.ttft, "text": "".join(self.parts), "request_id": data["request_id"]}
+        self.result = {"ttft": self.ttft, "text": "".join(self.parts), "request_id": data["request_id"],
+                       "finished_at": time.time()}
         self.finished.set()
 
     def _error(self, data: dict) -> None:
-        self.result = {"ttft": self.ttft, "text": "", "request_id": data.get("request_id"), "error": data}
+        self.result = {"ttft": self.ttft, "text": "", "request_id": data.get("request_id"), "error": data,
+                       "finished_at": time.time()}
         self.finished.set()
+
+
+def _close_all(clients: list[_Customer]) -> None:
+    """After the clock stops: a client's disconnect waits for its reader thread, so close them side by side."""
+    threads = [threading.Thread(target=c.sio.disconnect) for c in clients]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
 
 
 def _socketio(base: str, q: dict, cap: int) -> dict:
     customer = _Customer(base, {**q, "cap": cap})
     customer.send(time.time())
-    return customer.wait()
+    try:
+        return customer.wait()
+    finally:
+        customer.sio.disconnect()
 
 
 def _post(base: str, q: dict, cap: int, start: float | None = None) -> dict:
@@ -180,7 +196,7 @@ def _post(base: str, q: dict, cap: int, start: float | None = None) -> dict:
             if text:
                 ttft = ttft or time.time() - start
                 parts.append(text)
-    return {"ttft": ttft, "text": "".join(parts), "request_id": request_id}
+    return {"ttft": ttft, "text": "".join(parts), "request_id": request_id, "finished_at": time.time()}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -191,11 +207,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--protocol", choices=("socketio", "http"), default="socketio")
     parser.add_argument("--model", default=None, help="a model id or path (default: the default model)")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="keep the stack's logs, database and Redis files here (default: a temporary folder)")
     args = parser.parse_args(argv)
     reqs = workload(args.workload)[:args.limit]
     direct = engine_direct(reqs, args.slots, args.model)
     with tempfile.TemporaryDirectory() as tmp:
-        stack = through_stack(reqs, args.slots, Path(tmp), args.protocol, reqs[0]["messages"][0]["content"],
+        workdir = args.workdir or Path(tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
+        stack = through_stack(reqs, args.slots, workdir, args.protocol, reqs[0]["messages"][0]["content"],
                               args.model)
     errors = [r for r in stack["results"] if r.get("error")]
     if errors:

@@ -178,6 +178,7 @@ class SweepRecord:
     criterion: Criterion
     started: float = field(default_factory=time.time)
     results: list[Result] = field(default_factory=list)
+    steps: list[Step] = field(default_factory=list)
     last: Run | None = None
 
 
@@ -192,9 +193,19 @@ def sweep(cfg: LoadConfig, args: argparse.Namespace, out: Path) -> int:
         step = Step(rate, summary, record.criterion.holds(summary), stopped=run.interrupted or run.fatal is not None)
         print(f"{rate:g} req/s: TTFT p99 {_fmt(summary.ttft_s['p99'])}s, {summary.completed}/{summary.sent} "
               f"completed -> {'sustained' if step.sustained else 'not sustained'}", file=sys.stderr)
+        record.steps.append(step)
         return step
 
-    steps = search(measure, args.rates, start=args.start_rate, max_rate=args.max_rate, bisect=args.bisect)
+    try:
+        steps = search(measure, args.rates, start=args.start_rate, max_rate=args.max_rate, bisect=args.bisect)
+    except KeyboardInterrupt:   # outside a step's own handling (e.g. while it closed its connections)
+        print("interrupted; reporting the rates measured so far", file=sys.stderr)
+        steps = record.steps
+        if not steps:
+            raise
+        cfg.rate = None
+        report_sweep(cfg, record, steps, out)
+        return EXIT_INTERRUPTED
     cfg.rate = None
     best = report_sweep(cfg, record, steps, out)
     return exit_code(record.last, best is not None) if record.last else EXIT_NOTHING_DONE

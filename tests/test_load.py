@@ -184,6 +184,30 @@ def test_a_short_sweep_writes_the_plot_and_names_the_sustained_rate(stack, tmp_p
     assert len((out / "sweep.csv").read_text().splitlines()) == 3
 
 
+def test_a_sweep_interrupted_between_steps_reports_the_steps_it_finished(stack, tmp_path, capsys, monkeypatch):
+    import tests.load.__main__ as cli
+
+    real_execute, calls = cli.execute, []
+
+    def ctrl_c_on_the_second_step(cfg, label=""):
+        calls.append(label)
+        if len(calls) == 2:   # as when Ctrl-C lands while the first step closes its connections
+            raise KeyboardInterrupt
+        return real_execute(cfg, label)
+
+    monkeypatch.setattr(cli, "execute", ctrl_c_on_the_second_step)
+    out = tmp_path / "sweep"
+    code = main(["--url", stack.web_urls[0], "--sweep", "--rates", "2,4", "--requests", "2", "--ttft-p99", "60",
+                 "--out", str(out), "--no-progress"])
+    captured = capsys.readouterr()
+    assert code == cli.EXIT_INTERRUPTED
+    assert "reporting the rates measured so far" in captured.err
+    report = json.loads((out / "report.json").read_text())
+    assert [s["rate"] for s in report["steps"]] == [2.0] and report["sustained_rate"] == 2.0
+    assert report["steps"][0]["summary"]["completed"] == 2
+    assert (out / "sweep.png").read_bytes().startswith(PNG_MAGIC)
+
+
 def test_an_unreachable_url_is_a_clear_error(tmp_path, capsys):
     code = main(["--url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path)])
     err = capsys.readouterr().err

@@ -49,6 +49,11 @@ class SocketIOQueue(socketio.RedisManager):
                          redis_options=redis_options())
         self.strict = strict
 
+    def encode(self, event: str, data: dict, room: str) -> str:
+        """An emit to `room` as the web processes' listeners read it, for a caller that publishes it itself."""
+        return self.json.dumps({"method": "emit", "event": event, "data": [data], "binary": False, "namespace": "/",
+                                "room": room, "skip_sid": None, "callback": None, "host_id": self.host_id})
+
     def _publish(self, data):
         if not self.strict:
             return super()._publish(data)

@@ -116,9 +116,17 @@ class WorkerRuntime:
         in the offsets); the position is recorded once Redis takes it, and a redelivery resumes from there.
         """
         rid = job["request_id"]
+        payload = {"request_id": rid, "text": text, "offset": offset}
         try:
-            self.emit("token", {"request_id": rid, "text": text, "offset": offset}, job)
-            self.redis.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
+            # One transaction: a worker killed here has either shown the text and recorded its position, or
+            # neither, so a redelivery never shows text twice, even to a client that ignores offsets.
+            pipe = self.redis.pipeline(transaction=True)
+            if job.get("room"):
+                pipe.publish(self.emitter.channel, self.emitter.encode("token", payload, job["room"]))
+            if job.get("channel"):
+                pipe.publish(job["channel"], json.dumps({"event": "token", **payload}))
+            pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
+            pipe.execute()
         except redis.RedisError as exc:
             self.redis_failed_at = time.monotonic()
             if not self.streaming_blind.is_set():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import uuid
 from collections.abc import Iterator
 
 import pytest
@@ -12,7 +11,7 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 
 from models.db import make_engine, make_session_factory, upgrade
-from tests.stack import Stack, base_env
+from tests.stack import Stack, base_env, throwaway_database
 from tests.tiny_model import make_tiny_model_dir
 from worker.local_redis import start_redis
 from worker.model_loader import load_model, load_tokenizer
@@ -72,14 +71,8 @@ def pg_admin() -> Iterator[Engine]:
 @pytest.fixture()
 def pg_url(pg_admin: Engine) -> Iterator[str]:
     """A throwaway database, so whatever the server already holds stays untouched."""
-    name = f"supportbot_test_{uuid.uuid4().hex[:16]}"
-    with pg_admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield pg_admin.url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with pg_admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with throwaway_database(pg_admin) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

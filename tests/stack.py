@@ -8,11 +8,15 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import redis
 import requests
+from sqlalchemy import Engine, text
 
 from worker.local_redis import free_port, port_of, start_redis
 
@@ -121,6 +125,19 @@ class RedisServer:
         """SIGKILL by default: a crash, with no chance to save anything it had not written already."""
         self.proc.send_signal(sig)
         self.proc.wait(10)
+
+
+@contextmanager
+def throwaway_database(admin: Engine) -> Iterator[str]:
+    """A fresh PostgreSQL database's URL, dropped afterwards, so whatever the server holds stays untouched."""
+    name = f"supportbot_test_{uuid.uuid4().hex[:16]}"
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin.url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 def base_env(redis_url: str, database_url: str, model_dir: Path, workdir: Path) -> dict[str, str]:

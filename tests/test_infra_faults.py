@@ -21,7 +21,7 @@ from sqlalchemy import make_url, text
 
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
-from tests.stack import RedisServer, Stack, base_env, wait_for
+from tests.stack import RedisServer, Stack, base_env, throwaway_database, wait_for
 from webapp.queue import new_job, record_for
 from worker.celery_app import QUEUE, job_key
 from worker.leases import LeasedChannel
@@ -171,14 +171,8 @@ def infra_db_url(request, tmp_path_factory) -> Iterator[str]:
     except pytest.skip.Exception:
         yield f"sqlite:///{tmp_path_factory.mktemp('infra-db') / 'chat.db'}"
         return
-    name = f"supportbot_test_{uuid.uuid4().hex[:16]}"
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    try:
-        yield admin.url.set(database=name).render_as_string(hide_password=False)
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with throwaway_database(admin) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

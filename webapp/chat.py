@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 import uuid
 
 from flask import Blueprint, current_app, render_template, request, session
@@ -132,13 +133,15 @@ def on_join(payload=None):
 
 @socketio.on("chat_message")
 def on_chat_message(payload=None):
+    # Taken first: concurrent messages wait on the database in no fair order, but are answered in this one.
+    received_at = time.time()
     try:
         # Counted before anything else, so a flood of malformed messages is throttled too.
         limits.limit_message(owner_id())
         text, conversation_id = validate_message(payload)
         max_new_tokens = validate_max_new_tokens(payload)
         queue.check_room()
-        job = store_chat(text, conversation_id, max_new_tokens)
+        job = store_chat(text, conversation_id, max_new_tokens, received_at)
     except UserError as exc:
         emit_error(exc)
         return
@@ -153,7 +156,7 @@ def on_chat_message(payload=None):
     _in_flight.setdefault(request.sid, set()).add(job["request_id"])
 
 
-def store_chat(text: str, conversation_id: str | None, max_new_tokens: int) -> dict:
+def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, received_at: float | None = None) -> dict:
     """Store the message and its request record; the job to queue comes back."""
     cfg = current_app.config
     with current_app.extensions["db"]() as db:
@@ -165,7 +168,7 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int) -> d
                              {"role": "user", "content": text}],
                             {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"],
                              "max_new_tokens": max_new_tokens},
-                            source="chat", conversation_id=conv.id)
+                            source="chat", conversation_id=conv.id, received_at=received_at)
         db.add(Message(conversation_id=conv.id, role="user", content=text))
         db.add(queue.record_for(job))
         db.commit()

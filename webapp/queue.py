@@ -50,13 +50,15 @@ def check_room() -> None:
 
 
 def new_job(messages: list[dict], params: dict, source: str, conversation_id: str | None = None,
-            channel: bool = False) -> dict:
+            channel: bool = False, received_at: float | None = None) -> dict:
+    """A request to queue. Its `enqueued_at` (when the message came in, by default now) orders the worker's queue
+    and starts the request's latency clock."""
     request_id = uuid.uuid4().hex
     # Fixed now, so a redelivery after a worker crash samples the same tokens and resumes the stream.
     params = {**params, "seed": params["seed"] if params.get("seed") is not None else secrets.randbits(63)}
     return {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
             "channel": events_channel(request_id) if channel else None, "source": source,
-            "enqueued_at": time.time(), "messages": messages, "params": params}
+            "enqueued_at": received_at or time.time(), "messages": messages, "params": params}
 
 
 def record_for(job: dict) -> RequestRecord:

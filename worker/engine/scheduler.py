@@ -40,7 +40,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue in order of arrival, not of submission: requests handed over by several threads (or
+        redelivered after a fault) are admitted first come, first served. New arrivals are usually the
+        newest, so the scan from the back stops at once; preempted sequences stay at the front."""
+        index = len(self.waiting)
+        while (index and self.waiting[index - 1].num_preemptions == 0
+               and self.waiting[index - 1].arrival_time > seq.arrival_time):
+            index -= 1
+        self.waiting.insert(index, seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 
 import pytest
@@ -142,6 +143,18 @@ def test_a_freed_slot_is_refilled_in_the_next_step(tiny):
     assert engine.stats().running == 1 and engine.stats().last_batch_seqs == 1   # b started at once
     drain(engine, results)
     assert results["b"].completion_tokens == 2 and engine.steps == 5
+
+
+def test_requests_are_admitted_in_order_of_arrival_not_of_submission(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, max_num_batched_tokens=64, num_blocks=32))
+    for rid, arrived in (("late", 30.0), ("first", 10.0), ("second", 20.0)):
+        engine.add_request(rid, prompt_token_ids=chat_ids(tok, "Hi"), params=greedy(1, ignore_eos=True),
+                           arrival_time=arrived)
+    order = []
+    while engine.has_unfinished():
+        order += [e.request_id for e in engine.step() if isinstance(e, RequestFinished)]
+    assert order == ["first", "second", "late"]
 
 
 def test_long_prompt_is_prefilled_in_chunks_without_stalling_decodes(tiny):
@@ -394,6 +407,30 @@ def test_threaded_submit_stream_and_cancel(tiny):
         assert stats.running == 0 and stats.kv_blocks_used == 0
     finally:
         engine.shutdown()
+
+
+def test_an_outbox_gets_each_step_of_every_request_sharing_it_as_one_list(tiny):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+    outbox: queue.Queue = queue.Queue()
+    for i in range(3):   # the same requests in the synchronous API, for comparison
+        engine.add_request(f"o{i}", prompt_token_ids=chat_ids(tok, QUESTIONS[i]), params=greedy(6 + i, ignore_eos=True))
+    alone = run_all(engine)[0]
+    engine.start()
+    try:
+        for i in range(3):
+            engine.submit(f"o{i}", prompt_token_ids=chat_ids(tok, QUESTIONS[i]), params=greedy(6 + i, ignore_eos=True),
+                          outbox=outbox)
+        steps, finals = [], {}
+        while len(finals) < 3:
+            steps.append(outbox.get(timeout=60))
+            finals.update({e.request_id: e for e in steps[-1] if isinstance(e, RequestFinished)})
+    finally:
+        engine.shutdown()
+    assert any(len({e.request_id for e in step}) > 1 for step in steps), "a step's events should come together"
+    for rid, final in finals.items():
+        text = "".join(e.text for step in steps for e in step if isinstance(e, TokenDelta) and e.request_id == rid)
+        assert text == final.text and final.token_ids == alone[rid].token_ids
 
 
 def test_launch_builds_the_engine_in_the_thread_that_runs_it(tiny):

@@ -1,10 +1,11 @@
-"""Worker-side request preparation: long conversations are trimmed from their oldest turns."""
+"""Worker-side request handling: long conversations lose their oldest turns; a redelivered answer resumes its stream."""
 
 from __future__ import annotations
 
 import pytest
 
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine
+from worker.publisher import Answer
 from worker.runtime import fit_to_context
 
 
@@ -23,3 +24,12 @@ def test_fit_to_context_drops_oldest_turns_but_keeps_system_and_newest(tiny):
     assert len(engine.render_chat(fitted)) <= 120 < len(engine.render_chat(turns))
     with pytest.raises(InvalidRequestError, match="shorten"):
         fit_to_context(engine, [turns[0], {"role": "user", "content": "word " * 400}], reserve=40)
+
+
+def test_a_redelivered_answer_streams_only_what_clients_have_not_seen():
+    answer = Answer({"request_id": "r"}, shown=7)   # an earlier delivery showed "Hello, "
+    assert answer.unseen("Hel") is None
+    assert answer.unseen("lo, wo") == ("wo", 7)        # regenerated text resumes mid-delta
+    assert answer.unseen("rld") == ("rld", 9)
+    fresh = Answer({"request_id": "s"}, shown=0)
+    assert fresh.unseen("Hi") == ("Hi", 0) and fresh.unseen("") is None and fresh.unseen("!") == ("!", 2)

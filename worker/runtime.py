@@ -17,25 +17,21 @@ from models.db import make_engine, make_session_factory
 from worker.celery_app import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
                                visibility_timeout)
 from worker.connections import SocketIOQueue, redis_client
-from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished
+from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
+from worker.publisher import Answer, Publisher, streamed_key
 from worker.reaper import Reaper
 from worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 10
-STREAMED_TTL_S = 3600
 # After Redis was unreachable, a final event is said twice (ECHO_DELAY_S apart) for this long: a web
 # process may still be resubscribing when the first one goes out (clients ignore the repeat).
 ECHO_WINDOW_S = 15
 ECHO_DELAY_S = 2.0
-
-
-def streamed_key(request_id: str) -> str:
-    return f"supportbot:streamed:{request_id}"
 
 
 def utc(ts: float | None) -> datetime | None:
@@ -93,8 +89,8 @@ class WorkerRuntime:
         self.stopped = threading.Event()
         self.draining = threading.Event()       # shutting down: start nothing new
         self.handing_back = threading.Event()   # grace period over: unfinished answers go back to the queue
-        self.streaming_blind = threading.Event()   # text deltas are failing to reach Redis
         self.redis_failed_at = -ECHO_WINDOW_S        # monotonic time of the latest failure seen
+        self.publisher = Publisher(self.redis, self.emitter, on_redis_error=self._redis_failed)
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
         Reaper(self, s.lost_after_s).start()
@@ -109,33 +105,21 @@ class WorkerRuntime:
         if job.get("channel"):
             self.redis.publish(job["channel"], json.dumps({"event": event, **payload}))
 
-    def stream_text(self, job: dict, text: str, offset: int) -> None:
-        """Send a text delta that starts `offset` characters into the answer; record the stream position after it.
-
-        While Redis is down the delta is lost (the final event carries the whole text, and clients see the gap
-        in the offsets); the position is recorded once Redis takes it, and a redelivery resumes from there.
-        """
-        rid = job["request_id"]
-        payload = {"request_id": rid, "text": text, "offset": offset}
+    def start_answer(self, job: dict, prompt_ids: list[int], params: SamplingParams, shown: int) -> Answer | None:
+        """Submit a request to the engine; its text streams out from the publisher's thread, past the first
+        `shown` characters (what clients were sent by an earlier delivery). Bad requests raise here; None when
+        this worker is answering the request already."""
+        answer = self.publisher.track(job, shown)
+        if answer is None:
+            return None
         try:
-            # One transaction: a worker killed here has either shown the text and recorded its position, or
-            # neither, so a redelivery never shows text twice, even to a client that ignores offsets.
-            pipe = self.redis.pipeline(transaction=True)
-            if job.get("room"):
-                pipe.publish(self.emitter.channel, self.emitter.encode("token", payload, job["room"]))
-            if job.get("channel"):
-                pipe.publish(job["channel"], json.dumps({"event": "token", **payload}))
-            pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
-            pipe.execute()
-        except redis.RedisError as exc:
-            self.redis_failed_at = time.monotonic()
-            if not self.streaming_blind.is_set():
-                log.warning("cannot stream answers while Redis is unreachable (%s); their ends are sent later", exc)
-            self.streaming_blind.set()
-            return
-        if self.streaming_blind.is_set():
-            self.streaming_blind.clear()
-            log.info("streaming answers again")
+            # Queued by acceptance time: the task threads hand requests over in no particular order.
+            self.engine.submit(job["request_id"], prompt_token_ids=prompt_ids, params=params,
+                               arrival_time=job.get("enqueued_at"), outbox=self.publisher.outbox)
+        except BaseException:
+            self.publisher.forget(job["request_id"])
+            raise
+        return answer
 
     def streamed_chars(self, request_id: str) -> int:
         return int(self.redis_retrying(lambda: self.redis.get(streamed_key(request_id)), "reading a stream position")
@@ -161,10 +145,13 @@ class WorkerRuntime:
             except redis.RedisError:
                 pass
 
+    def _redis_failed(self) -> None:
+        self.redis_failed_at = time.monotonic()
+
     def redis_retrying(self, action, what: str):
         def transient(exc: Exception) -> bool:
             if isinstance(exc, redis.RedisError):
-                self.redis_failed_at = time.monotonic()
+                self._redis_failed()
                 return True
             return False
 

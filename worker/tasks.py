@@ -9,8 +9,8 @@ from celery.exceptions import Reject
 from celery.signals import task_postrun, task_received, worker_init, worker_shutdown, worker_shutting_down
 
 from worker.celery_app import GENERATE_TASK, celery
-from worker.engine import (InvalidParamsError, InvalidRequestError, RequestFinished, RequestStream, SamplingParams,
-                           TokenDelta)
+from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams
+from worker.publisher import Answer
 from worker.runtime import Unavailable, WorkerRuntime, fit_to_context, outcome
 
 log = logging.getLogger(__name__)
@@ -83,20 +83,20 @@ def answer(rt: WorkerRuntime, job: dict) -> None:
     # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
     # so the customer's stream resumes after what an earlier delivery already showed.
     shown = rt.streamed_chars(rid)
-    stream = submit(rt, job)
-    if stream is not None:
-        relay(rt, job, stream, shown)
+    pending = submit(rt, job, shown)
+    if pending is not None:
+        conclude(rt, job, pending)
 
 
-def submit(rt: WorkerRuntime, job: dict) -> RequestStream | None:
-    """The request's stream from the engine, or None when it was answered with an error (or is already running)."""
+def submit(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
+    """The answer under way, or None when the request was answered with an error (or is already running)."""
     try:
         params = SamplingParams(**job.get("params", {}))
         params.validate()
         # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
         _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve)
-        return rt.engine.submit(job["request_id"], prompt_token_ids=prompt_ids, params=params)
+        return rt.start_answer(job, prompt_ids, params, shown)
     except (InvalidRequestError, InvalidParamsError) as exc:
         if "already in use" in str(exc):   # the same request is being answered in this process
             return None
@@ -104,26 +104,15 @@ def submit(rt: WorkerRuntime, job: dict) -> RequestStream | None:
         return None
 
 
-def relay(rt: WorkerRuntime, job: dict, stream: RequestStream, shown: int) -> None:
-    """Stream the text past the first `shown` characters, then store the answer and send its end."""
-    produced, finished = 0, False
+def conclude(rt: WorkerRuntime, job: dict, pending: Answer) -> None:
+    """Wait while the publisher streams the text, then store the answer and send its end."""
     try:
-        for batch in stream.batches():
-            last = batch[-1]
-            finished = isinstance(last, RequestFinished)
-            if finished and last.finish_reason == "error" and rt.handing_back.is_set():
-                log.info("handing %s back to the queue", job["request_id"])
-                raise Reject("the worker's shutdown grace period ended", requeue=True)
-            text = "".join(event.text for event in batch if isinstance(event, TokenDelta))
-            if produced + len(text) > shown:
-                new = text[max(0, shown - produced):]
-                rt.stream_text(job, new, produced + len(text) - len(new))
-                shown = produced + len(text)
-            produced += len(text)
-            if finished and rt.store(job, last):
-                # store() is False when another delivery stored (and showed) this answer first.
-                rt.finish(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens),
-                          job)
-    finally:
-        if not finished:   # an unexpected error: free the slot rather than generate for nobody
-            rt.engine.abort(job["request_id"])
+        last = pending.wait()
+    except BaseException:   # interrupted while waiting: free the slot rather than generate for nobody
+        rt.engine.abort(job["request_id"])
+        raise
+    if last.finish_reason == "error" and rt.handing_back.is_set():
+        log.info("handing %s back to the queue", job["request_id"])
+        raise Reject("the worker's shutdown grace period ended", requeue=True)
+    if rt.store(job, last):   # False when another delivery stored (and showed) this answer first
+        rt.finish(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens), job)

@@ -26,12 +26,17 @@ class InvalidRequestError(ValueError):
 
 
 class RequestStream:
-    """Events of one request, in order; iterating ends after the final RequestFinished."""
+    """Events of one request, in order; iterating ends after the final RequestFinished.
 
-    def __init__(self, engine: LLMEngine, request_id: str) -> None:
+    A stream submitted with an `outbox` is not iterated: its events go to that queue instead, one list per
+    step for every request sharing it, so a single consumer can forward a whole step's output at once.
+    """
+
+    def __init__(self, engine: LLMEngine, request_id: str, outbox: queue.Queue[list[Event]] | None = None) -> None:
         self.engine = engine
         self.request_id = request_id
         self.events: queue.Queue[Event] = queue.Queue()
+        self.outbox = outbox
 
     def __iter__(self) -> Iterator[Event]:
         while True:
@@ -314,10 +319,10 @@ class LLMEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, params: SamplingParams | None = None,
-               arrival_time: float | None = None) -> RequestStream:
+               arrival_time: float | None = None, outbox: queue.Queue[list[Event]] | None = None) -> RequestStream:
         """Queue a request from any thread; bad requests raise here, in the caller's thread."""
         seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time)
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, outbox)
         with self._lock:
             if self._stopping or self._thread is None:
                 raise RuntimeError("The engine is not running; call start() first.")
@@ -366,11 +371,17 @@ class LLMEngine:
         self._dispatch(events)
 
     def _dispatch(self, events: list[Event]) -> None:
+        shared: dict[int, tuple[queue.Queue[list[Event]], list[Event]]] = {}
         with self._lock:
             for event in events:
                 stream = self._streams.get(event.request_id)
                 if stream is None:
                     continue
-                stream.events.put(event)
+                if stream.outbox is None:
+                    stream.events.put(event)
+                else:
+                    shared.setdefault(id(stream.outbox), (stream.outbox, []))[1].append(event)
                 if event.finished:
                     del self._streams[event.request_id]
+        for outbox, step_events in shared.values():
+            outbox.put(step_events)

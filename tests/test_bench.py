@@ -93,9 +93,10 @@ def test_engine_run_hands_the_model_back_unchanged(tiny_dir):
 def test_stack_bench_runs_the_workload_through_socketio_and_matches_the_engine(tiny_model_dir, tmp_path):
     from worker import stack_bench
 
-    figures = stack_bench.main(["--model", str(tiny_model_dir), "--limit", "4", "--slots", "2",
-                                "--json", str(tmp_path / "stack.json")])
-    assert figures["errors"] == 0 and figures["requests"] == 4
-    assert figures["identical"] == 4   # greedy answers through the stack equal the engine's own
+    figures = stack_bench.main(["--model", str(tiny_model_dir), "--limit", "4", "--slots", "2", "--rounds", "2",
+                                "--alone", "2", "--json", str(tmp_path / "stack.json")])
+    assert figures["errors"] == 0 and figures["requests"] == 4 and len(figures["rounds"]) == 2
+    assert figures["identical"] == 4   # greedy answers through the stack equal the engine's own, in every round
     assert figures["stack_tok_s"] > 0 and figures["engine_tok_s"] > 0
+    assert figures["alone_stack_ttft_p50_s"] > 0 and figures["alone_engine_ttft_p50_s"] > 0
     assert json.loads((tmp_path / "stack.json").read_text())["identical"] == 4

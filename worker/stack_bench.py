@@ -2,6 +2,10 @@
 
 Through the stack, each request is a customer on its own Socket.IO connection (or, with
 `--protocol http`, a streaming OpenAI-style HTTP request): web app -> Redis -> worker -> pub/sub.
+Both sides stay up for the whole run and take turns, round after round, so a slow spell of a shared
+machine falls on both; the figures are medians over rounds. In each round the engine alone gets the
+requests in the order the web app received them from the customers sent at once. A last part sends requests one at a time:
+there no request queues behind another, and the TTFT difference is the stack's own latency.
 """
 
 from __future__ import annotations
@@ -36,57 +40,86 @@ def workload(path: Path) -> list[dict]:
                           {"role": "user", "content": r["question"]}]} for r in data["requests"]]
 
 
-def engine_direct(requests_: list[dict], slots: int, model_name: str | None = None) -> dict:
-    from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
-    from worker.model_loader import load_model
+class Direct:
+    """The engine driven in this process, on the same model and slots as the worker: the baseline."""
 
-    model, tokenizer = load_model(model_name)
-    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=slots))
-    engine.add_request("warm", messages=requests_[0]["messages"], params=SamplingParams(temperature=0, max_new_tokens=4))
-    while engine.has_unfinished():
-        engine.step()
-    start, done = time.time(), []
-    for r in requests_:
-        engine.add_request(r["id"], messages=r["messages"], params=SamplingParams(temperature=0, max_new_tokens=r["cap"]))
-    while engine.has_unfinished():
-        done += [e for e in engine.step() if isinstance(e, RequestFinished)]
-    wall = time.time() - start
-    engine.release_model()
-    return {"tokens": sum(d.completion_tokens for d in done), "wall_s": wall,
-            "ttft": [d.first_token_time - start for d in done], "texts": {d.request_id: d.text for d in done}}
+    def __init__(self, slots: int, model_name: str | None = None) -> None:
+        from worker.engine import EngineConfig, LLMEngine
+        from worker.model_loader import load_model
+
+        self.engine = LLMEngine(*load_model(model_name), EngineConfig(max_num_seqs=slots))
+
+    def _add(self, q: dict, cap: int) -> None:
+        from worker.engine import SamplingParams
+
+        self.engine.add_request(q["id"], messages=q["messages"], params=SamplingParams(temperature=0, max_new_tokens=cap))
+
+    def _drain(self) -> list:
+        from worker.engine import RequestFinished
+
+        done = []
+        while self.engine.has_unfinished():
+            done += [e for e in self.engine.step() if isinstance(e, RequestFinished)]
+        return done
+
+    def all_at_once(self, requests_: list[dict]) -> dict:
+        start = time.time()
+        for q in requests_:
+            self._add(q, q["cap"])
+        done = self._drain()
+        return {"tokens": sum(d.completion_tokens for d in done), "wall_s": time.time() - start,
+                "ttft": [d.first_token_time - start for d in done], "texts": {d.request_id: d.text for d in done}}
+
+    def one_at_a_time(self, requests_: list[dict], cap: int) -> list[float]:
+        ttft = []
+        for q in requests_:
+            start = time.time()
+            self._add({**q, "id": f"alone-{q['id']}"}, cap)
+            ttft.append(self._drain()[0].first_token_time - start)
+        return ttft
+
+    def close(self) -> None:
+        self.engine.release_model()
 
 
-def through_stack(requests_: list[dict], slots: int, workdir: Path, protocol: str, system_prompt: str,
-                  model_name: str | None = None) -> dict:
-    redis_proc, redis_url = start_redis(workdir / "redis")
-    db_url = f"sqlite:///{workdir / 'bench.db'}"
-    upgrade(db_url)
-    port = free_port()
-    env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": db_url, "MAX_NUM_SEQS": str(slots),
-           "PORT": str(port), "QUEUE_LIMIT": "1000", "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
-           "MAX_NEW_TOKENS": str(max(q["cap"] for q in requests_)),
-           # Every customer here comes from one address: the abuse limits would measure themselves.
-           "RATE_LIMIT_PER_SESSION": "off", "RATE_LIMIT_PER_IP": "off", "MAX_CONNECTIONS_PER_IP": "0"}
-    env.pop("MODEL", None)
-    if model_name:
-        env["MODEL"] = model_name
-    logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
-    procs = [subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
-                               "--queues", "generate", "--loglevel", "WARNING"],
-                              cwd=ROOT, env=env, stdout=logs[0], stderr=subprocess.STDOUT),
-             subprocess.Popen([sys.executable, "-m", "webapp"], cwd=ROOT, env=env, stdout=logs[1],
-                              stderr=subprocess.STDOUT)]
-    try:
-        r = redis.Redis.from_url(redis_url)
-        deadline = time.monotonic() + 180
-        while not (any(r.scan_iter("supportbot:workers:*")) and _up(port)):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"stack did not start; see {workdir}")
-            time.sleep(0.2)
-        base = f"http://127.0.0.1:{port}"
-        ask = _post if protocol == "http" else _socketio
-        ask(base, requests_[0], 4)   # warm-up
-        clients = [_Customer(base, q) for q in requests_] if protocol == "socketio" else []
+class Stack:
+    """Redis, a Celery worker and a web app of its own, started once and kept up for every round."""
+
+    def __init__(self, slots: int, workdir: Path, system_prompt: str, max_new_tokens: int,
+                 model_name: str | None = None) -> None:
+        self.redis_proc, redis_url = start_redis(workdir / "redis")
+        self.db_url = f"sqlite:///{workdir / 'bench.db'}"
+        upgrade(self.db_url)
+        port = free_port()
+        env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": self.db_url, "MAX_NUM_SEQS": str(slots),
+               "PORT": str(port), "QUEUE_LIMIT": "1000", "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
+               "MAX_NEW_TOKENS": str(max_new_tokens),
+               # Every customer here comes from one address: the abuse limits would measure themselves.
+               "RATE_LIMIT_PER_SESSION": "off", "RATE_LIMIT_PER_IP": "off", "MAX_CONNECTIONS_PER_IP": "0"}
+        env.pop("MODEL", None)
+        if model_name:
+            env["MODEL"] = model_name
+        logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
+                              "--queues", "generate", "--loglevel", "WARNING"],
+                             cwd=ROOT, env=env, stdout=logs[0], stderr=subprocess.STDOUT),
+            subprocess.Popen([sys.executable, "-m", "webapp"], cwd=ROOT, env=env, stdout=logs[1],
+                             stderr=subprocess.STDOUT)]
+        try:
+            r = redis.Redis.from_url(redis_url)
+            deadline = time.monotonic() + 180
+            while not (any(r.scan_iter("supportbot:workers:*")) and _up(port)):
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"stack did not start; see {workdir}")
+                time.sleep(0.2)
+        except BaseException:
+            self.close()
+            raise
+        self.base = f"http://127.0.0.1:{port}"
+
+    def all_at_once(self, requests_: list[dict], protocol: str) -> dict:
+        clients = [_Customer(self.base, q) for q in requests_] if protocol == "socketio" else []
         results, start = {}, time.time()
         if clients:
             for c in clients:
@@ -95,25 +128,33 @@ def through_stack(requests_: list[dict], slots: int, workdir: Path, protocol: st
                 results[c.q["id"]] = c.wait()
             _close_all(clients)
         else:
-            threads = [threading.Thread(target=lambda q=q: results.__setitem__(q["id"], _post(base, q, q["cap"], start)))
-                       for q in requests_]
+            threads = [threading.Thread(target=lambda q=q: results.__setitem__(
+                q["id"], _post(self.base, q, q["cap"], start))) for q in requests_]
             for t in threads:
                 t.start()
             for t in threads:
                 t.join()
         wall = max(res["finished_at"] for res in results.values()) - start
-        with make_session_factory(make_engine(db_url))() as db:
-            tokens = sum(db.get(RequestRecord, res["request_id"]).completion_tokens or 0 for res in results.values())
-        return {"tokens": tokens, "wall_s": wall, "ttft": [res["ttft"] for res in results.values()],
-                "results": list(results.values()),
-                "texts": {rid: res["text"] for rid, res in results.items()}}
-    finally:
-        for p in procs:
+        with make_session_factory(make_engine(self.db_url))() as db:
+            records = {qid: db.get(RequestRecord, res["request_id"]) for qid, res in results.items()
+                       if res.get("request_id")}
+        # Sent at once, the messages reach the web app in no set order; the engine gets them in the same one.
+        received = sorted(records, key=lambda qid: records[qid].enqueued_at)
+        return {"tokens": sum(r.completion_tokens or 0 for r in records.values()), "wall_s": wall,
+                "ttft": [res["ttft"] for res in results.values()], "results": list(results.values()),
+                "texts": {rid: res["text"] for rid, res in results.items()}, "received": received}
+
+    def one_at_a_time(self, requests_: list[dict], cap: int, protocol: str) -> list[float]:
+        ask = _post if protocol == "http" else _socketio
+        return [ask(self.base, q, cap)["ttft"] for q in requests_]
+
+    def close(self) -> None:
+        for p in getattr(self, "procs", []):
             p.terminate()
-        for p in procs:
+        for p in getattr(self, "procs", []):
             p.wait(20)
-        redis_proc.terminate()
-        redis_proc.wait(10)
+        self.redis_proc.terminate()
+        self.redis_proc.wait(10)
 
 
 def _up(port: int) -> bool:
@@ -199,6 +240,16 @@ def _post(base: str, q: dict, cap: int, start: float | None = None) -> dict:
     return {"ttft": ttft, "text": "".join(parts), "request_id": request_id, "finished_at": time.time()}
 
 
+def summarize(direct: dict, stack: dict) -> dict:
+    return {"engine_tok_s": direct["tokens"] / direct["wall_s"], "stack_tok_s": stack["tokens"] / stack["wall_s"],
+            "engine_ttft_p50_s": statistics.median(direct["ttft"]), "stack_ttft_p50_s": statistics.median(stack["ttft"]),
+            "engine_wall_s": direct["wall_s"], "stack_wall_s": stack["wall_s"],
+            "keep_ratio": (stack["tokens"] / stack["wall_s"]) / (direct["tokens"] / direct["wall_s"]),
+            "added_ttft_p50_s": statistics.median(stack["ttft"]) - statistics.median(direct["ttft"]),
+            "identical": sum(stack["texts"].get(k) == v for k, v in direct["texts"].items()),
+            "errors": sum(1 for r in stack["results"] if r.get("error"))}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m worker.stack_bench", description=__doc__)
     parser.add_argument("--slots", type=int, default=16)
@@ -206,34 +257,60 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--protocol", choices=("socketio", "http"), default="socketio")
     parser.add_argument("--model", default=None, help="a model id or path (default: the default model)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="engine-direct and stack runs, alternated; the figures are the medians over rounds")
+    parser.add_argument("--alone", type=int, default=8,
+                        help="also send this many requests one at a time, to see the stack's own added latency")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the stack's logs, database and Redis files here (default: a temporary folder)")
     args = parser.parse_args(argv)
     reqs = workload(args.workload)[:args.limit]
-    direct = engine_direct(reqs, args.slots, args.model)
+    alone_cap = 8   # TTFT is what is measured one at a time; short answers keep that part quick
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        stack = through_stack(reqs, args.slots, workdir, args.protocol, reqs[0]["messages"][0]["content"],
-                              args.model)
-    errors = [r for r in stack["results"] if r.get("error")]
-    if errors:
-        print(f"{len(errors)} requests failed through the stack, e.g. {errors[0]['error']}")
-    rows = {"engine direct": direct, "whole stack": stack}
-    print(f"{'':14} {'tokens/s':>9} {'wall s':>7} {'TTFT p50 s':>10}")
-    for name, m in rows.items():
-        print(f"{name:14} {m['tokens'] / m['wall_s']:9.1f} {m['wall_s']:7.2f} {statistics.median(m['ttft']):10.3f}")
-    keep = (stack["tokens"] / stack["wall_s"]) / (direct["tokens"] / direct["wall_s"])
-    added = statistics.median(stack["ttft"]) - statistics.median(direct["ttft"])
-    same = sum(stack["texts"].get(k) == v for k, v in direct["texts"].items())
-    print(f"stack keeps {keep:.0%} of the engine's tokens/s; adds {added * 1000:+.0f} ms to TTFT p50; "
-          f"{same}/{len(reqs)} answers identical")
-    figures = {"protocol": args.protocol, "slots": args.slots, "requests": len(reqs), "errors": len(errors),
-               "identical": same, "keep_ratio": keep, "added_ttft_p50_s": added,
-               **{f"{key}_{name}": value for key, m in (("engine", direct), ("stack", stack))
-                  for name, value in (("tok_s", m["tokens"] / m["wall_s"]), ("wall_s", m["wall_s"]),
-                                      ("ttft_p50_s", statistics.median(m["ttft"])))}}
+        direct = Direct(args.slots, args.model)
+        stack = Stack(args.slots, workdir, reqs[0]["messages"][0]["content"], max(q["cap"] for q in reqs), args.model)
+        try:
+            # Warm both paths; then take turns, so a slow spell of a shared machine hits both sides alike.
+            direct.one_at_a_time(reqs[:1], 4)
+            stack.one_at_a_time(reqs[:1], 4, args.protocol)
+            rounds = []
+            by_id = {q["id"]: q for q in reqs}
+            for n in range(args.rounds):
+                through = stack.all_at_once(reqs, args.protocol)
+                # The baseline gets the same requests in the order the web app received them: simultaneous
+                # messages arrive shuffled, and which answers share the first batch moves TTFT and the tail.
+                order = through["received"] + [q["id"] for q in reqs if q["id"] not in through["received"]]
+                rounds.append(summarize(direct.all_at_once([by_id[qid] for qid in order]), through))
+                r = rounds[-1]
+                print(f"round {n + 1}: engine {r['engine_tok_s']:.1f} tok/s, TTFT p50 {r['engine_ttft_p50_s']:.3f} s; "
+                      f"stack {r['stack_tok_s']:.1f} tok/s, TTFT p50 {r['stack_ttft_p50_s']:.3f} s; "
+                      f"keeps {r['keep_ratio']:.0%}, adds {r['added_ttft_p50_s'] * 1000:+.0f} ms", flush=True)
+            alone_direct = direct.one_at_a_time(reqs[:args.alone], alone_cap) if args.alone else []
+            alone_stack = stack.one_at_a_time(reqs[:args.alone], alone_cap, args.protocol) if args.alone else []
+        finally:
+            stack.close()
+            direct.close()
+    figures = {"protocol": args.protocol, "slots": args.slots, "requests": len(reqs), "rounds": rounds,
+               "errors": sum(r["errors"] for r in rounds), "identical": min(r["identical"] for r in rounds),
+               **{key: statistics.median(r[key] for r in rounds)
+                  for key in ("keep_ratio", "added_ttft_p50_s", "engine_tok_s", "stack_tok_s", "engine_ttft_p50_s",
+                              "stack_ttft_p50_s", "engine_wall_s", "stack_wall_s")}}
+    if args.alone:
+        figures.update(alone_requests=args.alone, alone_engine_ttft_p50_s=statistics.median(alone_direct),
+                       alone_stack_ttft_p50_s=statistics.median(alone_stack),
+                       alone_added_ttft_p50_s=statistics.median(alone_stack) - statistics.median(alone_direct))
+    if figures["errors"]:
+        print(f"{figures['errors']} requests failed through the stack")
+    print(f"median of {args.rounds} rounds: the stack keeps {figures['keep_ratio']:.0%} of the engine's tokens/s and "
+          f"adds {figures['added_ttft_p50_s'] * 1000:+.0f} ms to TTFT p50; "
+          f"{figures['identical']}/{len(reqs)} answers identical in every round")
+    if args.alone:
+        print(f"one request at a time ({args.alone}): engine TTFT p50 {figures['alone_engine_ttft_p50_s'] * 1000:.0f} ms, "
+              f"stack {figures['alone_stack_ttft_p50_s'] * 1000:.0f} ms: the stack adds "
+              f"{figures['alone_added_ttft_p50_s'] * 1000:+.0f} ms")
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     return figures

@@ -12,6 +12,7 @@ import requests
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.clients import ChatClient
 from webapp import create_app
 from webapp.metrics import merge_snapshots
 from worker.engine import EngineStats, RequestFinished
@@ -245,3 +246,24 @@ def test_n_requests_through_the_stack_add_n_to_every_histogram(stack):
     other = scrape(stack, stack.web_urls[1])
     for name in HISTOGRAMS:
         assert other[name] == after[name], name
+
+
+def test_chat_messages_and_connections_are_counted_by_outcome(stack):
+    before = scrape(stack)
+    client = ChatClient(stack.web_urls[1])   # counted in Redis: any web process serves the total
+    try:
+        client.ask("Do you ship to Canada?", max_new_tokens=4)
+        client.sio.emit("chat_message", {"text": "   "})
+        name, data = client.next()
+        assert name == "error" and data["code"] == "empty_message"
+    finally:
+        client.close()
+    after = scrape(stack)
+
+    def diff(sample: str, **labels: str) -> float:
+        return value(after, sample, **labels) - value(before, sample, **labels)
+
+    assert diff("supportbot_chat_messages_total", outcome="accepted") == 1
+    assert diff("supportbot_chat_messages_total", outcome="empty_message") == 1
+    assert diff("supportbot_chat_messages_total") == 2
+    assert diff("supportbot_chat_connections_total", outcome="accepted") == 1

@@ -12,6 +12,7 @@ from flask_socketio import ConnectionRefusedError, emit, join_room
 from models import Conversation, Message, RequestRecord
 
 from . import limits, queue, socketio
+from .metrics import CHAT_OUTCOMES_KEY, CONNECTION_OUTCOMES_KEY, count
 from .queue import UserError
 from .security import clean_text
 
@@ -105,10 +106,12 @@ def on_connect(auth=None):
     owner_id()
     counter = current_app.extensions["limits"].connections
     if not counter.acquire(limits.client_address(), request.sid):
+        count(CONNECTION_OUTCOMES_KEY, "too_many_connections")
         message = (f"Too many open chat connections from your address (at most {counter.limit}); "
                    "close other chat tabs and try again.")
         raise ConnectionRefusedError(message, {"code": "too_many_connections", "message": message,
                                                "retryable": True})
+    count(CONNECTION_OUTCOMES_KEY, "accepted")
     _in_flight[request.sid] = set()
 
 
@@ -143,6 +146,7 @@ def on_chat_message(payload=None):
         queue.check_room()
         job = store_chat(text, conversation_id, max_new_tokens, received_at)
     except UserError as exc:
+        count(CHAT_OUTCOMES_KEY, exc.code)
         emit_error(exc)
         return
     # Joined and told before the job is queued, so even a fast worker's first token finds the client ready.
@@ -151,8 +155,10 @@ def on_chat_message(payload=None):
     try:
         queue.send(job)
     except UserError as exc:
+        count(CHAT_OUTCOMES_KEY, exc.code)
         emit_error(exc, job["request_id"])
         return
+    count(CHAT_OUTCOMES_KEY, "accepted")
     _in_flight.setdefault(request.sid, set()).add(job["request_id"])
 
 

@@ -20,8 +20,18 @@ log = logging.getLogger(__name__)
 
 bp = Blueprint("metrics", __name__)
 
-# A Redis hash (outcome -> count): every web process increments the same counters, so any of them serves the total.
+# Redis hashes (outcome -> count): every web process increments the same counters, so any of them serves the total.
 API_OUTCOMES_KEY = "supportbot:webmetrics:api_requests"
+CHAT_OUTCOMES_KEY = "supportbot:webmetrics:chat_messages"
+CONNECTION_OUTCOMES_KEY = "supportbot:webmetrics:chat_connections"
+OUTCOME_COUNTERS = (
+    ("supportbot_api_requests", "POST /v1/chat/completions answers by outcome: ok, or the error code.",
+     API_OUTCOMES_KEY),
+    ("supportbot_chat_messages", "Socket.IO chat messages by outcome: accepted, or the error code sent back.",
+     CHAT_OUTCOMES_KEY),
+    ("supportbot_chat_connections", "Socket.IO connections by outcome: accepted, or why they were refused.",
+     CONNECTION_OUTCOMES_KEY),
+)
 
 
 def merge_snapshots(snapshots: dict[str, str]) -> list[Metric]:
@@ -64,12 +74,11 @@ class ClusterCollector:
                                 value=r.llen(QUEUE))
         yield GaugeMetricFamily("supportbot_workers_live", "Workers whose heartbeat is current.",
                                 value=sum(1 for _ in r.scan_iter(HEARTBEAT_PREFIX + "*")))
-        outcomes = CounterMetricFamily("supportbot_api_requests",
-                                       "POST /v1/chat/completions answers by outcome: ok, or the error code.",
-                                       labels=["outcome"])
-        for outcome, count in sorted(r.hgetall(API_OUTCOMES_KEY).items()):
-            outcomes.add_metric([outcome.decode()], float(count))
-        yield outcomes
+        for name, documentation, key in OUTCOME_COUNTERS:
+            outcomes = CounterMetricFamily(name, documentation, labels=["outcome"])
+            for outcome, total in sorted(r.hgetall(key).items()):
+                outcomes.add_metric([outcome.decode()], float(total))
+            yield outcomes
 
 
 def exposition(r: redis.Redis) -> bytes:
@@ -86,13 +95,18 @@ def api_outcome(status: int, body: object) -> str:
     return code if isinstance(code, str) and code else f"http_{status}"
 
 
+def count(key: str, outcome: str) -> None:
+    """One more `outcome` in a cluster-wide counter; a Redis that is away costs the count, never the request."""
+    try:
+        current_app.extensions["redis"].hincrby(key, outcome, 1)
+    except redis.RedisError as exc:
+        log.warning("could not count %s in %s: %s", outcome, key, exc)
+
+
 def count_api_response(response: Response) -> Response:
     if request.endpoint == "api.chat_completions":
         body = None if response.status_code == 200 or response.is_streamed else response.get_json(silent=True)
-        try:
-            current_app.extensions["redis"].hincrby(API_OUTCOMES_KEY, api_outcome(response.status_code, body), 1)
-        except redis.RedisError as exc:
-            log.warning("could not count an API answer: %s", exc)
+        count(API_OUTCOMES_KEY, api_outcome(response.status_code, body))
     return response
 
 

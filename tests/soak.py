@@ -181,6 +181,9 @@ def print_report(rep: SoakReport) -> None:
           f"(second-half median {statistics.median(s.worker_rss_mb for s in steady):.0f})")
     print(f"web RSS MB start {rep.web_rss_mb[0]:.0f}, end {rep.web_rss_mb[1]:.0f} "
           f"(second-half median {statistics.median(s.web_rss_mb for s in steady):.0f})")
+    # Growth that slows to nothing is caches warming; growth at a steady pace is a leak.
+    quarters = [min(rep.samples, key=lambda s, q=q: abs(s.t_s - q * rep.duration_s / 4)) for q in range(5)]
+    print("worker RSS MB by quarter: " + ", ".join(f"{s.t_s:.0f} s {s.worker_rss_mb:.0f}" for s in quarters))
     print(f"SQL: {rep.accepted} accepted by the clients, {rep.records_finished} finished records "
           f"{rep.records_by_finish_reason}; missing {len(rep.records_missing)}, "
           f"unfinished {len(rep.records_unfinished)}")

@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 
 # The row count the packing is tuned for; any other count still works.
 PACK_ROWS_HINT = 16
+# Inputs are padded to a multiple of this many rows. oneDNN keeps state for every input shape it has run
+# (about 0.5 MB per shape and weight, here), and a serving step's row count takes any value up to the
+# token budget: unpadded, a worker's memory grew by hundreds of MB as new counts kept turning up.
+ROW_BUCKET = 16
 
 
 class PackedLinear(nn.Module):
@@ -29,6 +33,15 @@ class PackedLinear(nn.Module):
         self.bias = None if dense.bias is None else dense.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        pad = -rows % ROW_BUCKET
+        if pad == 0:
+            return self._run(x)
+        flat = x.reshape(rows, x.shape[-1])
+        out = self._run(torch.cat([flat, flat.new_zeros(pad, flat.shape[1])]))[:rows]
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 

@@ -16,9 +16,10 @@ log = logging.getLogger(__name__)
 
 # The row count the packing is tuned for; any other count still works.
 PACK_ROWS_HINT = 16
-# Inputs are padded to a multiple of this many rows. oneDNN keeps state for every input shape it has run
-# (about 0.5 MB per shape and weight, here), and a serving step's row count takes any value up to the
-# token budget: unpadded, a worker's memory grew by hundreds of MB as new counts kept turning up.
+# Inputs of more rows than this are padded to a multiple of it. oneDNN keeps state for every input shape it
+# has run (about 0.5 MB per shape and weight, here), and a serving step's row count takes any value up to
+# the token budget: unpadded, a worker's memory grew by hundreds of MB as new counts kept turning up.
+# Smaller inputs (decode steps of a few requests) run as they are: padding them to 16 rows cost throughput.
 ROW_BUCKET = 16
 
 
@@ -35,7 +36,7 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         pad = -rows % ROW_BUCKET
-        if pad == 0:
+        if pad == 0 or rows < ROW_BUCKET:
             return self._run(x)
         flat = x.reshape(rows, x.shape[-1])
         out = self._run(torch.cat([flat, flat.new_zeros(pad, flat.shape[1])]))[:rows]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +18,22 @@ from worker.local_redis import start_redis
 from worker.model_loader import load_model, load_tokenizer
 
 torch.set_num_threads(max(1, torch.get_num_threads()))
+
+CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """Debian's headless chromium, launched once; each test opens its own pages (a fresh context each)."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make test does)")
+    if not CHROMIUM.exists():
+        pytest.skip("Debian's chromium is needed: apt-get install chromium")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
+        try:
+            yield browser
+        finally:
+            browser.close()
 
 
 @pytest.fixture(scope="session")

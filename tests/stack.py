@@ -21,6 +21,7 @@ from sqlalchemy import Engine, text
 from worker.local_redis import free_port, port_of, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / "test-artifacts"   # screenshots and reports the tests leave behind
 
 
 def wait_for(check, timeout: float, what: str, proc: subprocess.Popen | None = None, log: Path | None = None):

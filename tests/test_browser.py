@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-
-playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make test does)")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is needed: apt-get install chromium")
+from tests.stack import ARTIFACTS
 
 # Records every length the streaming answer passes through, from inside the page.
 WATCH_STREAM = """
@@ -31,34 +25,32 @@ def long_answers_url(stack):
     return stack.start_web(MAX_NEW_TOKENS="200")   # long enough to watch it stream
 
 
-def test_ask_watch_it_stream_reload_and_see_the_history(long_answers_url):
+def test_ask_watch_it_stream_reload_and_see_the_history(browser, long_answers_url):
     ARTIFACTS.mkdir(exist_ok=True)
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1100, "height": 800})
-            page.goto(long_answers_url)
-            page.wait_for_selector('#status[data-state="connected"]')
-            page.evaluate(WATCH_STREAM)
-            page.fill("#input", "Where is my parcel? <b>It was due Monday</b>")
-            page.press("#input", "Enter")
-            answer = page.wait_for_selector('#messages [data-role="assistant"][data-finish-reason]', timeout=60_000)
-            text = answer.query_selector(".msg__text").text_content()
-            lengths = page.evaluate("window.__lengths")
-            assert text.strip()
-            assert len(set(lengths)) > 3 and max(lengths) <= len(text), "the answer should appear piece by piece"
-            user_text = page.text_content('#messages [data-role="user"] .msg__text')
-            assert user_text == "Where is my parcel? <b>It was due Monday</b>", "text must not become HTML"
-            assert "?c=" in page.url
-            page.screenshot(path=str(ARTIFACTS / "chat.png"))
+    page = browser.new_page(viewport={"width": 1100, "height": 800})
+    try:
+        page.goto(long_answers_url)
+        page.wait_for_selector('#status[data-state="connected"]')
+        page.evaluate(WATCH_STREAM)
+        page.fill("#input", "Where is my parcel? <b>It was due Monday</b>")
+        page.press("#input", "Enter")
+        answer = page.wait_for_selector('#messages [data-role="assistant"][data-finish-reason]', timeout=60_000)
+        text = answer.query_selector(".msg__text").text_content()
+        lengths = page.evaluate("window.__lengths")
+        assert text.strip()
+        assert len(set(lengths)) > 3 and max(lengths) <= len(text), "the answer should appear piece by piece"
+        user_text = page.text_content('#messages [data-role="user"] .msg__text')
+        assert user_text == "Where is my parcel? <b>It was due Monday</b>", "text must not become HTML"
+        assert "?c=" in page.url
+        page.screenshot(path=str(ARTIFACTS / "chat.png"))
 
-            page.reload()
-            page.wait_for_selector('#messages [data-role="assistant"]')
-            roles = page.eval_on_selector_all("#messages [data-role]", "els => els.map(e => e.dataset.role)")
-            assert roles == ["user", "assistant"]
-            # Server-rendered HTML turns CR and CRLF into LF; the tiny random model does emit CRs.
-            reloaded = page.text_content('#messages [data-role="assistant"] .msg__text')
-            assert newlines(reloaded) == newlines(text)
-            page.screenshot(path=str(ARTIFACTS / "chat-reloaded.png"))
-        finally:
-            browser.close()
+        page.reload()
+        page.wait_for_selector('#messages [data-role="assistant"]')
+        roles = page.eval_on_selector_all("#messages [data-role]", "els => els.map(e => e.dataset.role)")
+        assert roles == ["user", "assistant"]
+        # Server-rendered HTML turns CR and CRLF into LF; the tiny random model does emit CRs.
+        reloaded = page.text_content('#messages [data-role="assistant"] .msg__text')
+        assert newlines(reloaded) == newlines(text)
+        page.screenshot(path=str(ARTIFACTS / "chat-reloaded.png"))
+    finally:
+        page.close()

@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 from flask_socketio import SocketIO
 
 from models import Message
-
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
-
-playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make test does)")
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is needed: apt-get install chromium")
+from tests.stack import ARTIFACTS
 
 INJECTION = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=1</script>'
 FROM_THE_MODEL = 'Sure! <img src=x onerror="window.__pwned=2"><script>window.__pwned=2</script><b>bold?</b>'
@@ -40,47 +32,45 @@ def assert_inert(page, console: list[str]) -> None:
     assert [line for line in console if "Content Security Policy" in line or "Refused to" in line] == []
 
 
-def test_injected_markup_is_shown_as_text_and_never_runs(stack, db):
+def test_injected_markup_is_shown_as_text_and_never_runs(browser, stack, db):
     ARTIFACTS.mkdir(exist_ok=True)
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1000, "height": 760})
-            console: list[str] = []
-            page.on("console", lambda m: console.append(m.text))
-            page.on("pageerror", lambda e: console.append(f"page error: {e}"))
-            page.add_init_script(WATCH_CSP)
-            page.goto(stack.web_urls[0])
-            page.wait_for_selector('#status[data-state="connected"]')
+    page = browser.new_page(viewport={"width": 1000, "height": 760})
+    try:
+        console: list[str] = []
+        page.on("console", lambda m: console.append(m.text))
+        page.on("pageerror", lambda e: console.append(f"page error: {e}"))
+        page.add_init_script(WATCH_CSP)
+        page.goto(stack.web_urls[0])
+        page.wait_for_selector('#status[data-state="connected"]')
 
-            # From the customer: typed, sent, echoed and answered.
-            page.fill("#input", INJECTION)
-            page.press("#input", "Enter")
-            page.wait_for_selector('#messages [data-role="assistant"][data-finish-reason]', timeout=60_000)
-            assert message_texts(page, "user") == [INJECTION]
-            assert_inert(page, console)
-            conversation = page.evaluate("new URL(location.href).searchParams.get('c')")
-            assert conversation
+        # From the customer: typed, sent, echoed and answered.
+        page.fill("#input", INJECTION)
+        page.press("#input", "Enter")
+        page.wait_for_selector('#messages [data-role="assistant"][data-finish-reason]', timeout=60_000)
+        assert message_texts(page, "user") == [INJECTION]
+        assert_inert(page, console)
+        conversation = page.evaluate("new URL(location.href).searchParams.get('c')")
+        assert conversation
 
-            # From the model side while streaming: a token and a final text sent to the conversation's room.
-            emitter = SocketIO(message_queue=stack.env["REDIS_URL"])
-            request_id = "e" * 32
-            emitter.emit("token", {"request_id": request_id, "text": STREAMED}, to=conversation)
-            emitter.emit("done", {"request_id": request_id, "conversation_id": conversation, "text": STREAMED,
-                                  "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1}, to=conversation)
-            page.wait_for_selector(f'#messages [data-request-id="{request_id}"][data-finish-reason]')
-            assert message_texts(page, "assistant")[-1] == STREAMED
-            assert_inert(page, console)
+        # From the model side while streaming: a token and a final text sent to the conversation's room.
+        emitter = SocketIO(message_queue=stack.env["REDIS_URL"])
+        request_id = "e" * 32
+        emitter.emit("token", {"request_id": request_id, "text": STREAMED}, to=conversation)
+        emitter.emit("done", {"request_id": request_id, "conversation_id": conversation, "text": STREAMED,
+                              "finish_reason": "stop", "prompt_tokens": 1, "completion_tokens": 1}, to=conversation)
+        page.wait_for_selector(f'#messages [data-request-id="{request_id}"][data-finish-reason]')
+        assert message_texts(page, "assistant")[-1] == STREAMED
+        assert_inert(page, console)
 
-            # From the model side in the stored history: rendered by the server on reload.
-            with db() as s:
-                s.add(Message(conversation_id=conversation, role="assistant", content=FROM_THE_MODEL))
-                s.commit()
-            page.goto(f"{stack.web_urls[0]}/?c={conversation}")
-            page.wait_for_selector('#status[data-state="connected"]')
-            assert message_texts(page, "user") == [INJECTION]
-            assert message_texts(page, "assistant")[-1] == FROM_THE_MODEL
-            assert_inert(page, console)
-            page.screenshot(path=str(ARTIFACTS / "chat-injection.png"))
-        finally:
-            browser.close()
+        # From the model side in the stored history: rendered by the server on reload.
+        with db() as s:
+            s.add(Message(conversation_id=conversation, role="assistant", content=FROM_THE_MODEL))
+            s.commit()
+        page.goto(f"{stack.web_urls[0]}/?c={conversation}")
+        page.wait_for_selector('#status[data-state="connected"]')
+        assert message_texts(page, "user") == [INJECTION]
+        assert message_texts(page, "assistant")[-1] == FROM_THE_MODEL
+        assert_inert(page, console)
+        page.screenshot(path=str(ARTIFACTS / "chat-injection.png"))
+    finally:
+        page.close()

@@ -5,20 +5,16 @@ from __future__ import annotations
 import time
 import uuid
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
-
 import pytest
 import requests
 
 from models import RequestRecord
+from tests.stack import ARTIFACTS
 
-CHROMIUM = Path("/usr/bin/chromium")
-ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 HOSTILE = '<img src=x onerror="window.__pwned = 1"><b>not bold</b>'
 
 playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make test does)")
 expect = playwright.expect
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is needed: apt-get install chromium")
 
 # Counts the pixels each chart's canvas has painted: axes alone would pass, so series points are checked apart.
 PAINTED = """
@@ -45,7 +41,7 @@ def number(text: str) -> int:
     return int("".join(ch for ch in text if ch.isdigit()))
 
 
-def test_the_dashboard_draws_its_charts_and_updates_live(stack, db):
+def test_the_dashboard_draws_its_charts_and_updates_live(browser, stack, db):
     url = stack.web_urls[0]
     now = datetime.now(UTC)
     with db() as s:
@@ -57,63 +53,61 @@ def test_the_dashboard_draws_its_charts_and_updates_live(stack, db):
         ask(stack.web_urls[i % 2], i)
 
     ARTIFACTS.mkdir(exist_ok=True)
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.add_init_script(CATCH_CSP)
-            script_errors = []
-            page.on("pageerror", lambda exc: script_errors.append(str(exc)))
-            page.goto(url + "/dashboard")
-            assert "/login" in page.url, "logged out, the dashboard sends you to the login form"
-            page.fill("#username", "operator")
-            page.fill("#password", "not the password")
-            page.click("button[type=submit]")
-            assert "Wrong username or password" in page.text_content("#login-error")
-            page.screenshot(path=str(ARTIFACTS / "login.png"))
-            page.fill("#password", stack.env["OPERATOR_PASSWORD"])
-            page.click("button[type=submit]")
-            page.wait_for_url("**/dashboard**")
-            page.wait_for_selector("#dashboard[data-generated-at]")
-            assert page.get_attribute("#status", "data-state") == "live"
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    try:
+        page.add_init_script(CATCH_CSP)
+        script_errors = []
+        page.on("pageerror", lambda exc: script_errors.append(str(exc)))
+        page.goto(url + "/dashboard")
+        assert "/login" in page.url, "logged out, the dashboard sends you to the login form"
+        page.fill("#username", "operator")
+        page.fill("#password", "not the password")
+        page.click("button[type=submit]")
+        assert "Wrong username or password" in page.text_content("#login-error")
+        page.screenshot(path=str(ARTIFACTS / "login.png"))
+        page.fill("#password", stack.env["OPERATOR_PASSWORD"])
+        page.click("button[type=submit]")
+        page.wait_for_url("**/dashboard**")
+        page.wait_for_selector("#dashboard[data-generated-at]")
+        assert page.get_attribute("#status", "data-state") == "live"
 
-            assert page.locator(".chart canvas").count() == 6
-            for name in ("queue_wait", "ttft", "tpot", "e2e", "tokens", "requests"):
-                page.wait_for_selector(f'.chart[data-chart="{name}"][data-points]:not([data-points="0"])')
-            assert all(n > 500 for n in page.evaluate(PAINTED)), "every chart is drawn"
-            assert page.locator("#slowest tbody tr").count() >= 3
-            assert number(page.text_content("#now-workers")) >= 1
-            assert page.text_content("#latency-table tr[data-metric=ttft] [data-q=p90]") != "–"
+        assert page.locator(".chart canvas").count() == 6
+        for name in ("queue_wait", "ttft", "tpot", "e2e", "tokens", "requests"):
+            page.wait_for_selector(f'.chart[data-chart="{name}"][data-points]:not([data-points="0"])')
+        assert all(n > 500 for n in page.evaluate(PAINTED)), "every chart is drawn"
+        assert page.locator("#slowest tbody tr").count() >= 3
+        assert number(page.text_content("#now-workers")) >= 1
+        assert page.text_content("#latency-table tr[data-metric=ttft] [data-q=p90]") != "–"
 
-            # Text from the database stays text.
-            errors = page.locator("#recent-errors .errors__text")
-            assert HOSTILE in errors.all_text_contents()
-            assert page.locator("#recent-errors img, #recent-errors b").count() == 0
-            assert page.evaluate("window.__pwned") is None
-            page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
-            violations = page.evaluate("window.__csp")
-            assert violations is None, f"the page must run under its CSP, without inline code: {violations}"
+        # Text from the database stays text.
+        errors = page.locator("#recent-errors .errors__text")
+        assert HOSTILE in errors.all_text_contents()
+        assert page.locator("#recent-errors img, #recent-errors b").count() == 0
+        assert page.evaluate("window.__pwned") is None
+        page.screenshot(path=str(ARTIFACTS / "dashboard.png"), full_page=True)
+        violations = page.evaluate("window.__csp")
+        assert violations is None, f"the page must run under its CSP, without inline code: {violations}"
 
-            # The 24 h window only grows while this test runs, so new requests must show up in it.
-            page.click('.segmented__btn[data-window="24h"]')
-            # Playwright's expect() polls without eval, which the page's CSP (rightly) forbids.
-            expect(page.locator("#window-label")).to_have_text("24 h")
-            assert "window=24h" in page.url
-            before = number(page.text_content("#kpi-requests"))
-            page.evaluate("window.__same_page = true")
-            for i in range(2):
-                ask(url, 10 + i)
-            deadline = time.monotonic() + 30
-            while number(page.text_content("#kpi-requests")) < before + 2:
-                assert time.monotonic() < deadline, "the dashboard did not show the new requests"
-                page.wait_for_timeout(250)
-            assert page.evaluate("window.__same_page") is True, "updated by polling, without a reload"
-            page.screenshot(path=str(ARTIFACTS / "dashboard-24h.png"), full_page=True)
+        # The 24 h window only grows while this test runs, so new requests must show up in it.
+        page.click('.segmented__btn[data-window="24h"]')
+        # Playwright's expect() polls without eval, which the page's CSP (rightly) forbids.
+        expect(page.locator("#window-label")).to_have_text("24 h")
+        assert "window=24h" in page.url
+        before = number(page.text_content("#kpi-requests"))
+        page.evaluate("window.__same_page = true")
+        for i in range(2):
+            ask(url, 10 + i)
+        deadline = time.monotonic() + 30
+        while number(page.text_content("#kpi-requests")) < before + 2:
+            assert time.monotonic() < deadline, "the dashboard did not show the new requests"
+            page.wait_for_timeout(250)
+        assert page.evaluate("window.__same_page") is True, "updated by polling, without a reload"
+        page.screenshot(path=str(ARTIFACTS / "dashboard-24h.png"), full_page=True)
 
-            assert not script_errors, script_errors
-            page.click(".logout button")
-            page.wait_for_url("**/login**")
-            assert requests.get(url + "/dashboard/data", cookies={c["name"]: c["value"] for c in
-                                                                  page.context.cookies()}).status_code == 401
-        finally:
-            browser.close()
+        assert not script_errors, script_errors
+        page.click(".logout button")
+        page.wait_for_url("**/login**")
+        assert requests.get(url + "/dashboard/data", cookies={c["name"]: c["value"] for c in
+                                                              page.context.cookies()}).status_code == 401
+    finally:
+        page.close()

@@ -11,7 +11,6 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
-from pathlib import Path
 
 import pytest
 import redis
@@ -30,7 +29,6 @@ from worker.local_redis import free_port
 QUESTIONS = ["My order #1042 has not arrived, where is it?", "Can I return shoes I wore once?",
              "Do you ship to Norway?", "Is there a discount for students?", "Can I pay by invoice?"]
 API_QUESTION = "How long does a refund take?"
-CHROMIUM = Path("/usr/bin/chromium")
 
 
 # ---- a customer that behaves like the chat page -------------------------------------------------
@@ -425,19 +423,6 @@ def test_a_request_lost_on_its_way_to_a_worker_is_queued_again(infra, infra_db):
 # ---- the chat page in a real browser ------------------------------------------------------------
 
 ANSWER = '#messages [data-role="assistant"]'
-
-
-@pytest.fixture(scope="module")
-def browser():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make test does)")
-    if not CHROMIUM.exists():
-        pytest.skip("Debian's chromium is needed: apt-get install chromium")
-    with sync_api.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=["--no-sandbox"])
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def open_chat(browser, url: str):

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,30 @@ def test_stack_bench_runs_the_workload_through_socketio_and_matches_the_engine(t
     assert figures["stack_tok_s"] > 0 and figures["engine_tok_s"] > 0
     assert figures["alone_stack_ttft_p50_s"] > 0 and figures["alone_engine_ttft_p50_s"] > 0
     assert json.loads((tmp_path / "stack.json").read_text())["identical"] == 4
+
+
+def test_stack_bench_can_give_the_engine_cpus_of_its_own():
+    from worker.stack_bench import Placement
+
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("one CPU: there is nothing to place apart")
+    placement = Placement({cpus[0]})
+    assert (placement.engine, placement.rest) == ({cpus[0]}, set(cpus[1:]))
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                             preexec_fn=placement.launcher(placement.engine))
+    try:
+        assert os.sched_getaffinity(child.pid) == {cpus[0]}
+        placement.pin(child.pid, placement.rest)
+        assert os.sched_getaffinity(child.pid) == set(cpus[1:])
+    finally:
+        child.kill()
+        child.wait()
+    before = os.sched_getaffinity(0)
+    with placement.engine_thread():
+        assert os.sched_getaffinity(0) == {cpus[0]}
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(SystemExit, match="at least one"):
+        Placement(set(cpus))
+    with pytest.raises(SystemExit, match="may run on CPUs"):
+        Placement({max(cpus) + 1})

@@ -6,11 +6,15 @@ Both sides stay up for the whole run and take turns, round after round, so a slo
 machine falls on both; the figures are medians over rounds. In each round the engine alone gets the
 requests in the order the web app received them from the customers sent at once. A last part sends requests one at a time:
 there no request queues behind another, and the TTFT difference is the stack's own latency.
+With `--engine-cpus`, the engine (the worker, and the engine alone) runs on those CPUs and the web
+app, Redis and the customers on the others: what the stack then costs is its own, not a share of
+the engine's cores.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -40,14 +44,55 @@ def workload(path: Path) -> list[dict]:
                           {"role": "user", "content": r["question"]}]} for r in data["requests"]]
 
 
+class Placement:
+    """Which CPUs the engine runs on and which the rest does; no CPU set means the scheduler decides."""
+
+    def __init__(self, engine_cpus: set[int] | None = None) -> None:
+        everything = os.sched_getaffinity(0)
+        self.engine, self.rest = (engine_cpus, everything - engine_cpus) if engine_cpus else (everything, everything)
+        if not self.engine <= everything:
+            raise SystemExit(f"--engine-cpus: this process may run on CPUs {sorted(everything)} only")
+        if not self.rest:
+            raise SystemExit(f"--engine-cpus must leave at least one of CPUs {sorted(everything)} for the rest")
+        self.pinned = engine_cpus is not None
+
+    def pin(self, pid: int, cpus: set[int]) -> None:
+        """Every thread of a running process: threads it starts later inherit the set."""
+        if self.pinned:
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                os.sched_setaffinity(int(tid), cpus)
+
+    def launcher(self, cpus: set[int]):
+        return (lambda: os.sched_setaffinity(0, cpus)) if self.pinned else None
+
+    @contextlib.contextmanager
+    def engine_thread(self):
+        """Run the calling thread, and the torch threads it starts, on the engine's CPUs for a while."""
+        if not self.pinned:
+            yield
+            return
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, self.engine)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
+
 class Direct:
     """The engine driven in this process, on the same model and slots as the worker: the baseline."""
 
-    def __init__(self, slots: int, model_name: str | None = None) -> None:
+    def __init__(self, slots: int, model_name: str | None = None, placement: Placement | None = None) -> None:
+        import torch
+
         from worker.engine import EngineConfig, LLMEngine
         from worker.model_loader import load_model
 
-        self.engine = LLMEngine(*load_model(model_name), EngineConfig(max_num_seqs=slots))
+        self.placement = placement or Placement()
+        if self.placement.pinned:
+            torch.set_num_threads(len(self.placement.engine))
+        with self.placement.engine_thread():
+            self.engine = LLMEngine(*load_model(model_name), EngineConfig(max_num_seqs=slots))
 
     def _add(self, q: dict, cap: int) -> None:
         from worker.engine import SamplingParams
@@ -66,7 +111,8 @@ class Direct:
         start = time.time()
         for q in requests_:
             self._add(q, q["cap"])
-        done = self._drain()
+        with self.placement.engine_thread():
+            done = self._drain()
         return {"tokens": sum(d.completion_tokens for d in done), "wall_s": time.time() - start,
                 "ttft": [d.first_token_time - start for d in done], "texts": {d.request_id: d.text for d in done}}
 
@@ -75,7 +121,8 @@ class Direct:
         for q in requests_:
             start = time.time()
             self._add({**q, "id": f"alone-{q['id']}"}, cap)
-            ttft.append(self._drain()[0].first_token_time - start)
+            with self.placement.engine_thread():
+                ttft.append(self._drain()[0].first_token_time - start)
         return ttft
 
     def close(self) -> None:
@@ -86,8 +133,10 @@ class Stack:
     """Redis, a Celery worker and a web app of its own, started once and kept up for every round."""
 
     def __init__(self, slots: int, workdir: Path, system_prompt: str, max_new_tokens: int,
-                 model_name: str | None = None) -> None:
+                 model_name: str | None = None, placement: Placement | None = None) -> None:
+        placement = placement or Placement()
         self.redis_proc, redis_url = start_redis(workdir / "redis")
+        placement.pin(self.redis_proc.pid, placement.rest)
         self.db_url = f"sqlite:///{workdir / 'bench.db'}"
         upgrade(self.db_url)
         port = free_port()
@@ -99,13 +148,15 @@ class Stack:
         env.pop("MODEL", None)
         if model_name:
             env["MODEL"] = model_name
+        worker_env = {**env, "OMP_NUM_THREADS": str(len(placement.engine))} if placement.pinned else env
         logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
                               "--queues", "generate", "--loglevel", "WARNING"],
-                             cwd=ROOT, env=env, stdout=logs[0], stderr=subprocess.STDOUT),
+                             cwd=ROOT, env=worker_env, stdout=logs[0], stderr=subprocess.STDOUT,
+                             preexec_fn=placement.launcher(placement.engine)),
             subprocess.Popen([sys.executable, "-m", "webapp"], cwd=ROOT, env=env, stdout=logs[1],
-                             stderr=subprocess.STDOUT)]
+                             stderr=subprocess.STDOUT, preexec_fn=placement.launcher(placement.rest))]
         try:
             r = redis.Redis.from_url(redis_url)
             deadline = time.monotonic() + 180
@@ -240,6 +291,10 @@ def _post(base: str, q: dict, cap: int, start: float | None = None) -> dict:
     return {"ttft": ttft, "text": "".join(parts), "request_id": request_id, "finished_at": time.time()}
 
 
+def _cpu_list(text: str) -> set[int]:
+    return {int(cpu) for cpu in text.split(",") if cpu.strip()}
+
+
 def summarize(direct: dict, stack: dict) -> dict:
     return {"engine_tok_s": direct["tokens"] / direct["wall_s"], "stack_tok_s": stack["tokens"] / stack["wall_s"],
             "engine_ttft_p50_s": statistics.median(direct["ttft"]), "stack_ttft_p50_s": statistics.median(stack["ttft"]),
@@ -261,6 +316,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="engine-direct and stack runs, alternated; the figures are the medians over rounds")
     parser.add_argument("--alone", type=int, default=8,
                         help="also send this many requests one at a time, to see the stack's own added latency")
+    parser.add_argument("--engine-cpus", type=_cpu_list, default=None, metavar="0,1",
+                        help="run the engine on these CPUs and the web app, Redis and the customers on the others")
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the stack's logs, database and Redis files here (default: a temporary folder)")
@@ -270,8 +327,11 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = args.workdir or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        direct = Direct(args.slots, args.model)
-        stack = Stack(args.slots, workdir, reqs[0]["messages"][0]["content"], max(q["cap"] for q in reqs), args.model)
+        placement = Placement(args.engine_cpus)
+        placement.pin(os.getpid(), placement.rest)
+        direct = Direct(args.slots, args.model, placement)
+        stack = Stack(args.slots, workdir, reqs[0]["messages"][0]["content"], max(q["cap"] for q in reqs), args.model,
+                      placement)
         try:
             # Warm both paths; then take turns, so a slow spell of a shared machine hits both sides alike.
             direct.one_at_a_time(reqs[:1], 4)
@@ -294,6 +354,7 @@ def main(argv: list[str] | None = None) -> dict:
             stack.close()
             direct.close()
     figures = {"protocol": args.protocol, "slots": args.slots, "requests": len(reqs), "rounds": rounds,
+               "engine_cpus": sorted(placement.engine) if placement.pinned else None,
                "errors": sum(r["errors"] for r in rounds), "identical": min(r["identical"] for r in rounds),
                **{key: statistics.median(r[key] for r in rounds)
                   for key in ("keep_ratio", "added_ttft_p50_s", "engine_tok_s", "stack_tok_s", "engine_ttft_p50_s",

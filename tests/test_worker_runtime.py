@@ -1,11 +1,16 @@
-"""Worker-side request handling: long conversations lose their oldest turns; a redelivered answer resumes its stream."""
+"""Worker-side request handling: long conversations lose their oldest turns; a redelivered answer resumes its stream;
+leases and lost acks."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import redis
 
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine
 from worker.publisher import Answer
+from worker.local_redis import start_redis
 from worker.runtime import fit_to_context
 
 
@@ -33,3 +38,38 @@ def test_a_redelivered_answer_streams_only_what_clients_have_not_seen():
     assert answer.unseen("rld") == ("rld", 9)
     fresh = Answer({"request_id": "s"}, shown=0)
     assert fresh.unseen("Hi") == ("Hi", 0) and fresh.unseen("") is None and fresh.unseen("!") == ("!", 2)
+
+
+def test_a_lost_ack_of_an_answered_request_is_sent_again_and_a_lost_hand_back_stays_leased(tmp_path, monkeypatch):
+    from worker import leases as leases_module
+    from worker.leases import UNACKED, UNACKED_INDEX, Leases
+
+    proc, url = start_redis(tmp_path / "redis", persist=False)
+    try:
+        r = redis.Redis.from_url(url)
+        leases = Leases(r, visibility_timeout=6)
+        for tag in ("answered", "handed-back", "acked"):
+            r.zadd(UNACKED_INDEX, {tag: time.time()})
+            r.hset(UNACKED, tag, "the message")
+            leases.hold(f"task-{tag}", tag)
+        # Redis went away as two of the acks were sent: only the third landed.
+        r.zrem(UNACKED_INDEX, "acked")
+        r.hdel(UNACKED, "acked")
+        leases.release("task-answered", answered=True)
+        leases.release("task-handed-back", answered=False)
+        leases.release("task-acked", answered=True)
+
+        leases.forget_acked()   # within the grace period an ack may still be on its way
+        assert sorted(leases.held()) == ["answered", "handed-back"]
+        assert r.zscore(UNACKED_INDEX, "answered") is not None
+
+        monkeypatch.setattr(leases_module, "ACK_GRACE_S", 0)
+        leases.forget_acked()
+        # Answered: acked now, never delivered again. Handed back: still leased until ACK_WAIT_S, then
+        # delivered again, since the queue must not lose it.
+        assert r.zscore(UNACKED_INDEX, "answered") is None and not r.hexists(UNACKED, "answered")
+        assert leases.held() == ["handed-back"]
+        assert r.zscore(UNACKED_INDEX, "handed-back") is not None and r.hexists(UNACKED, "handed-back")
+    finally:
+        proc.terminate()
+        proc.wait(10)

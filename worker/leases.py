@@ -18,9 +18,13 @@ from kombu.transport.redis import Channel, Transport
 log = logging.getLogger(__name__)
 
 UNACKED_INDEX = Channel.unacked_index_key
-# A finished task's ack normally lands within moments, or soon after Redis is back; one that never lands
-# (Redis away when it was sent) stops being leased after this, so its message is delivered again and its
-# stored answer shown once more.
+UNACKED = Channel.unacked_key
+# A task's ack (or its hand-back to the queue) normally lands within moments. One still missing after this
+# was lost: Redis went away as it was sent, and kombu does not send it again.
+ACK_GRACE_S = 5
+# A lost ack of an answered request is sent again by the lease thread. Any other task whose ack or hand-back
+# never lands stops being leased after this, so its message is delivered again: answered from what was
+# stored, or generated anew.
 ACK_WAIT_S = 300
 
 
@@ -57,7 +61,7 @@ class Leases:
         self.client = client
         self.interval = max(0.5, visibility_timeout / 4)
         self._tags: dict[str, str] = {}          # task id -> broker delivery tag
-        self._ending: dict[str, float] = {}      # tags of finished tasks whose ack has not landed -> since
+        self._ending: dict[str, tuple[float, bool]] = {}   # tag of an ended task not yet acked -> (since, answered)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="leases", daemon=True)
@@ -73,13 +77,13 @@ class Leases:
             self._tags[task_id] = delivery_tag
         self.renew([delivery_tag])
 
-    def release(self, task_id: str) -> None:
-        """The task is over. Its ack follows, late if Redis is away: until it lands the lease is kept, or
-        the message would look abandoned and be handed out again."""
+    def release(self, task_id: str, answered: bool = False) -> None:
+        """The task is over (`answered`: its answer is stored and sent). Its ack follows, late if Redis is
+        away: until it lands the lease is kept, or the message would look abandoned and be handed out again."""
         with self._lock:
             tag = self._tags.pop(task_id, None)
             if tag is not None:
-                self._ending[tag] = time.monotonic()
+                self._ending[tag] = (time.monotonic(), answered)
 
     def held(self) -> list[str]:
         with self._lock:
@@ -92,17 +96,27 @@ class Leases:
             self.client.zadd(UNACKED_INDEX, {tag: now for tag in tags}, xx=True)
 
     def forget_acked(self) -> None:
+        """Stop leasing what was acked; ack again what was answered but whose ack was lost."""
         with self._lock:
-            ending = list(self._ending)
+            ending = dict(self._ending)
         if not ending:
             return
         pipe = self.client.pipeline(transaction=False)
         for tag in ending:
             pipe.zscore(UNACKED_INDEX, tag)
+        now = time.monotonic()
         gone = {tag for tag, score in zip(ending, pipe.execute()) if score is None}
+        lost = [tag for tag, (since, answered) in ending.items()
+                if answered and tag not in gone and now - since > ACK_GRACE_S]
+        if lost:
+            # What kombu's ack does: the answer is stored, so the message must not be delivered again.
+            pipe = self.client.pipeline(transaction=True)
+            pipe.zrem(UNACKED_INDEX, *lost).hdel(UNACKED, *lost)
+            pipe.execute()
+            log.warning("acked %d answered request(s) whose ack was lost while Redis was away", len(lost))
+        too_old = {tag for tag, (since, _) in ending.items() if now - since > ACK_WAIT_S}
         with self._lock:
-            too_old = {tag for tag, since in self._ending.items() if time.monotonic() - since > ACK_WAIT_S}
-            for tag in gone | too_old:
+            for tag in gone | too_old | set(lost):
                 self._ending.pop(tag, None)
 
     def _run(self) -> None:

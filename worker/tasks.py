@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from celery import states
 from celery.exceptions import Reject
 from celery.signals import task_postrun, task_received, worker_init, worker_shutdown, worker_shutting_down
 
@@ -54,8 +55,8 @@ def _take_lease(request=None, **_) -> None:
 
 
 @task_postrun.connect
-def _drop_lease(task_id=None, **_) -> None:
-    runtime().leases.release(task_id)
+def _drop_lease(task_id=None, state=None, **_) -> None:
+    runtime().leases.release(task_id, answered=state == states.SUCCESS)
 
 
 @celery.task(name=GENERATE_TASK, acks_late=True, reject_on_worker_lost=True)

@@ -14,6 +14,8 @@ from alembic.config import Config
 from sqlalchemy import URL, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from models.sqlite import QueuedWritesConnection
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
 
@@ -61,6 +63,8 @@ def make_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
         # Sessions may be used from request threads other than the one that opened the connection.
         connect_args.setdefault("check_same_thread", False)
         connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_S)
+        # Threads of one process queue for the write lock instead of polling SQLite for it (models/sqlite.py).
+        connect_args.setdefault("factory", QueuedWritesConnection)
         engine = create_engine(url, connect_args=connect_args, **kwargs)
         event.listen(engine, "connect", _on_sqlite_connect)
         return engine

@@ -219,3 +219,69 @@ def test_default_database_url(monkeypatch, tmp_path) -> None:
     monkeypatch.delenv("DATABASE_URL")
     assert default_database_url() == f"sqlite:///{tmp_path}/instance/supportbot.db"
     assert (tmp_path / "instance").is_dir()
+
+
+def test_sqlite_writers_of_one_process_queue_on_a_lock_held_from_first_write_to_commit(tmp_path):
+    from models.sqlite import writer_lock
+
+    path = tmp_path / "queued.db"
+    url = f"sqlite:///{path}"
+    upgrade(url)
+    sessions = make_session_factory(make_engine(url))
+    lock = writer_lock(str(path))
+
+    with sessions() as s:
+        s.execute(select(Conversation)).all()
+        assert not lock.locked(), "reading takes no turn"
+        s.add(Conversation(owner="a"))
+        s.flush()
+        assert lock.locked(), "the first write takes the turn"
+        s.commit()
+        assert not lock.locked(), "commit ends it"
+
+    with sessions() as s:
+        s.add(Conversation(owner="b"))
+        s.flush()
+        assert lock.locked()
+        s.rollback()
+        assert not lock.locked(), "so does rollback"
+
+    # A second writer waits for the first to commit, then goes on.
+    first = sessions()
+    first.add(Conversation(owner="first"))
+    first.flush()
+    second_done = threading.Event()
+
+    def second() -> None:
+        with sessions() as s:
+            s.add(Conversation(owner="second"))
+            s.commit()
+        second_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    assert not second_done.wait(0.3), "the second writer must wait while the first holds the turn"
+    first.commit()
+    first.close()
+    assert second_done.wait(30)
+    thread.join()
+    with sessions() as s:
+        assert {c.owner for c in s.scalars(select(Conversation))} == {"a", "first", "second"}
+
+
+def test_one_thread_writing_through_two_sqlite_connections_falls_back_to_sqlites_own_lock(tmp_path, monkeypatch):
+    # Waiting on itself would never end: past its timeout the second connection goes on without the turn,
+    # and SQLite's busy timeout says the database is locked, as it would without the queue.
+    from models import db as db_module
+
+    path = tmp_path / "self.db"
+    upgrade(f"sqlite:///{path}")
+    monkeypatch.setattr(db_module, "SQLITE_BUSY_TIMEOUT_S", 1)
+    engine = make_engine(f"sqlite:///{path}", connect_args={"timeout": 0.2})
+    sessions = make_session_factory(engine)
+    with sessions() as first, sessions() as second:
+        first.add(Conversation(owner="first"))
+        first.flush()
+        second.add(Conversation(owner="second"))
+        with pytest.raises(StatementError, match="database is locked"):
+            second.flush()

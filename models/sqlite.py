@@ -1,0 +1,90 @@
+"""SQLite connections whose writers in one process take turns on a lock, not on SQLite's busy handler.
+
+SQLite lets one transaction write at a time. A writer that finds the file locked sleeps and retries
+(1, 2, 5, 10 ... 100 ms), so a burst of messages, each written by its own request thread, spread over
+hundreds of milliseconds and in no fair order. Here a thread about to write first waits on a lock
+shared by every connection of the process to that file, and the next writer starts as soon as the
+previous one commits. Other processes (a second web app, the worker) still meet at SQLite's lock.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+
+_WRITES = ("INSERT", "UPDATE", "DELETE", "REPLACE")   # the statements sqlite3 opens a transaction for
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def writer_lock(database: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(database, threading.Lock())
+
+
+class QueuedWritesConnection(sqlite3.Connection):
+    """Holds the file's writer lock from its first write statement until commit, rollback or close."""
+
+    def __init__(self, database: str, *args, **kwargs) -> None:
+        super().__init__(database, *args, **kwargs)
+        self._writer_lock = writer_lock(str(database))
+        self._lock_timeout_s = kwargs.get("timeout", 5.0)   # as long as SQLite's busy handler would wait
+        self._holds = False
+
+    def cursor(self, factory=None):
+        return super().cursor(factory or QueuedWritesCursor)
+
+    def execute(self, sql, parameters=()):   # the shortcuts would bypass cursor()
+        return self.cursor().execute(sql, parameters)
+
+    def executemany(self, sql, seq_of_parameters):
+        return self.cursor().executemany(sql, seq_of_parameters)
+
+    def before(self, sql: str) -> None:
+        if not self._holds and not self.in_transaction and sql.lstrip()[:7].upper().startswith(_WRITES):
+            # Past the timeout (a thread writing through two connections at once would wait on itself),
+            # go on without the lock: SQLite's own busy handling then decides, as it would without this.
+            self._holds = self._writer_lock.acquire(timeout=self._lock_timeout_s)
+
+    def after(self) -> None:
+        if self._holds and not self.in_transaction:   # a write outside a transaction is already committed
+            self._release()
+
+    def commit(self) -> None:
+        try:
+            super().commit()
+        finally:
+            self._release()
+
+    def rollback(self) -> None:
+        try:
+            super().rollback()
+        finally:
+            self._release()
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._holds:
+            self._holds = False
+            self._writer_lock.release()
+
+
+class QueuedWritesCursor(sqlite3.Cursor):
+    def execute(self, sql, parameters=()):
+        self.connection.before(sql)
+        try:
+            return super().execute(sql, parameters)
+        finally:
+            self.connection.after()
+
+    def executemany(self, sql, seq_of_parameters):
+        self.connection.before(sql)
+        try:
+            return super().executemany(sql, seq_of_parameters)
+        finally:
+            self.connection.after()

@@ -17,6 +17,7 @@ class ChatClient:
         self.http = http or requests.Session()
         self.http.get(url + "/").raise_for_status()
         self.events: queue.Queue = queue.Queue()
+        self.finished: set[str] = set()
         self.sio = socketio.Client(http_session=self.http, reconnection=False)
         for name in ("accepted", "token", "done", "error"):
             self.sio.on(name, lambda data, name=name: self.events.put((name, data)))
@@ -28,15 +29,22 @@ class ChatClient:
     def ask(self, text: str, conversation_id: str | None = None, timeout: float = 60, **extra) -> dict:
         payload = {"text": text, **extra} | ({"conversation_id": conversation_id} if conversation_id else {})
         self.sio.emit("chat_message", payload)
-        name, accepted = self.next(timeout)
+        # An answer already finished can be said again (a worker killed before its ack redelivers it and
+        # shows the stored answer once more); the page ignores it, and so does this client.
+        while (event := self.next(timeout))[1].get("request_id") in self.finished:
+            pass
+        name, accepted = event
         assert name == "accepted", (name, accepted)
         tokens, deadline = [], time.monotonic() + timeout
         while True:
             name, data = self.next(max(0.1, deadline - time.monotonic()))
+            if data.get("request_id") in self.finished:
+                continue
             assert data.get("request_id") == accepted["request_id"], data
             if name == "token":
                 tokens.append(data["text"])
             elif name == "done":
+                self.finished.add(data["request_id"])
                 return {"accepted": accepted, "tokens": tokens, "done": data}
             else:
                 raise AssertionError(f"unexpected {name}: {data}")

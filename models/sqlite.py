@@ -51,20 +51,17 @@ class QueuedWritesConnection(sqlite3.Connection):
             self._release()
 
     def commit(self) -> None:
-        try:
-            super().commit()
-        finally:
-            self._release()
+        self._end(super().commit)
 
     def rollback(self) -> None:
-        try:
-            super().rollback()
-        finally:
-            self._release()
+        self._end(super().rollback)
 
     def close(self) -> None:
+        self._end(super().close)
+
+    def _end(self, end) -> None:
         try:
-            super().close()
+            end()
         finally:
             self._release()
 

@@ -73,9 +73,11 @@ class Leases:
         self._stop.set()
 
     def hold(self, task_id: str, delivery_tag: str) -> None:
+        # No write to Redis here: kombu stamped the lease as it delivered the message, and this runs in the
+        # consumer's thread, where a round trip per message would space out the tasks of a burst.
+        # The lease thread renews it within `interval`, well inside the visibility timeout.
         with self._lock:
             self._tags[task_id] = delivery_tag
-        self.renew([delivery_tag])
 
     def release(self, task_id: str, answered: bool = False) -> None:
         """The task is over (`answered`: its answer is stored and sent). Its ack follows, late if Redis is

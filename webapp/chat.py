@@ -7,11 +7,11 @@ import time
 import uuid
 
 from flask import Blueprint, current_app, render_template, request, session
-from flask_socketio import ConnectionRefusedError, emit, join_room
+from flask_socketio import ConnectionRefusedError, join_room
 
-from models import Conversation, Message, RequestRecord
+from models import Conversation, Message, RequestRecord, new_conversation_id
 
-from . import limits, queue, socketio
+from . import limits, queue, reply, socketio
 from .metrics import CHAT_OUTCOMES_KEY, CONNECTION_OUTCOMES_KEY, count
 from .queue import UserError
 from .security import clean_text
@@ -98,7 +98,7 @@ def emit_error(exc: UserError, request_id: str | None = None) -> None:
         body["request_id"] = request_id
     if isinstance(exc, limits.RateLimited):
         body["retry_after"] = exc.retry_after
-    emit("error", body)
+    reply("error", body)
 
 
 @socketio.on("connect")
@@ -151,7 +151,7 @@ def on_chat_message(payload=None):
         return
     # Joined and told before the job is queued, so even a fast worker's first token finds the client ready.
     join_room(job["conversation_id"])
-    emit("accepted", {"request_id": job["request_id"], "conversation_id": job["conversation_id"]})
+    reply("accepted", {"request_id": job["request_id"], "conversation_id": job["conversation_id"]})
     try:
         queue.send(job)
     except UserError as exc:
@@ -166,10 +166,14 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, rece
     """Store the message and its request record; the job to queue comes back."""
     cfg = current_app.config
     with current_app.extensions["db"]() as db:
-        conv = own_conversation(db, conversation_id) if conversation_id else Conversation(owner=owner_id())
-        db.add(conv)
-        db.flush()
-        history = [{"role": m.role, "content": m.content} for m in conv.messages]
+        # Every read comes before the first write: on SQLite a writer holds the file's one write lock from
+        # its first INSERT to its commit, and a burst of messages queues for it one after another.
+        if conversation_id:
+            conv = own_conversation(db, conversation_id)
+            history = [{"role": m.role, "content": m.content} for m in conv.messages]
+        else:
+            conv, history = Conversation(id=new_conversation_id(), owner=owner_id()), []
+            db.add(conv)
         job = queue.new_job([{"role": "system", "content": cfg["SYSTEM_PROMPT"]}, *history,
                              {"role": "user", "content": text}],
                             {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"],
@@ -195,8 +199,8 @@ def on_cancel(payload=None):
                 owned = False
     if not owned:
         echo = request_id if isinstance(request_id, str) and len(request_id) <= 64 else None
-        emit("error", {"request_id": echo, "code": "unknown_request",
-                       "retryable": False, "message": "There is no answer of yours with that id to stop."})
+        reply("error", {"request_id": echo, "code": "unknown_request",
+                        "retryable": False, "message": "There is no answer of yours with that id to stop."})
         return
     queue.cancel(request_id)
 

@@ -6,14 +6,13 @@ import logging
 
 import redis
 from flask import Blueprint, current_app, jsonify, request
-from flask_socketio import emit
 from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from worker.celery_app import HEARTBEAT_PREFIX
 
-from . import socketio
+from . import reply, socketio
 
 log = logging.getLogger(__name__)
 
@@ -81,4 +80,4 @@ def socket_error(exc: Exception) -> None:
         body = {"code": "internal_error", "retryable": True,
                 "message": "Something went wrong on our side; please send your message again."}
     if request.event.get("message") not in ("connect", "disconnect"):
-        emit("error", body)
+        reply("error", body)

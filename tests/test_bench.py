@@ -102,6 +102,8 @@ def test_stack_bench_runs_the_workload_through_socketio_and_matches_the_engine(t
     assert figures["identical"] == 4   # greedy answers through the stack equal the engine's own, in every round
     assert figures["stack_tok_s"] > 0 and figures["engine_tok_s"] > 0
     assert figures["alone_stack_ttft_p50_s"] > 0 and figures["alone_engine_ttft_p50_s"] > 0
+    for r in figures["rounds"]:   # 2 slots: the second admission of each side, read from SQL and from the engine
+        assert 0 < r["engine_batch_full_s"] < r["engine_wall_s"] and 0 < r["stack_batch_full_s"] < r["stack_wall_s"]
     assert json.loads((tmp_path / "stack.json").read_text())["identical"] == 4
 
 

@@ -6,6 +6,8 @@ Both sides stay up for the whole run and take turns, round after round, so a slo
 machine falls on both; the figures are medians over rounds. In each round the engine alone gets the
 requests in the order the web app received them from the customers sent at once. A last part sends requests one at a time:
 there no request queues behind another, and the TTFT difference is the stack's own latency.
+Each round also says when the engine first held a full batch, alone and through the stack: how long the
+stack's intake (web app, queue, worker) keeps the engine from working at full width after a burst.
 With `--engine-cpus`, the engine (the worker, and the engine alone) runs on those CPUs and the web
 app, Redis and the customers on the others: what the stack then costs is its own, not a share of
 the engine's cores.
@@ -114,7 +116,8 @@ class Direct:
         with self.placement.engine_thread():
             done = self._drain()
         return {"tokens": sum(d.completion_tokens for d in done), "wall_s": time.time() - start,
-                "ttft": [d.first_token_time - start for d in done], "texts": {d.request_id: d.text for d in done}}
+                "ttft": [d.first_token_time - start for d in done], "texts": {d.request_id: d.text for d in done},
+                "admitted": [d.admitted_time - start for d in done]}
 
     def one_at_a_time(self, requests_: list[dict], cap: int) -> list[float]:
         ttft = []
@@ -193,7 +196,8 @@ class Stack:
         received = sorted(records, key=lambda qid: records[qid].enqueued_at)
         return {"tokens": sum(r.completion_tokens or 0 for r in records.values()), "wall_s": wall,
                 "ttft": [res["ttft"] for res in results.values()], "results": list(results.values()),
-                "texts": {rid: res["text"] for rid, res in results.items()}, "received": received}
+                "texts": {rid: res["text"] for rid, res in results.items()}, "received": received,
+                "admitted": [r.admitted_at.timestamp() - start for r in records.values() if r.admitted_at]}
 
     def one_at_a_time(self, requests_: list[dict], cap: int, protocol: str) -> list[float]:
         ask = _post if protocol == "http" else _socketio
@@ -295,8 +299,16 @@ def _cpu_list(text: str) -> set[int]:
     return {int(cpu) for cpu in text.split(",") if cpu.strip()}
 
 
-def summarize(direct: dict, stack: dict) -> dict:
-    return {"engine_tok_s": direct["tokens"] / direct["wall_s"], "stack_tok_s": stack["tokens"] / stack["wall_s"],
+def batch_full_s(admitted: list[float], slots: int) -> float:
+    """Seconds from the burst until the engine held its first full batch: where the stack's intake shows."""
+    ordered = sorted(admitted)
+    return ordered[min(slots, len(ordered)) - 1] if ordered else float("nan")
+
+
+def summarize(direct: dict, stack: dict, slots: int) -> dict:
+    return {"engine_batch_full_s": batch_full_s(direct["admitted"], slots),
+            "stack_batch_full_s": batch_full_s(stack["admitted"], slots),
+            "engine_tok_s": direct["tokens"] / direct["wall_s"], "stack_tok_s": stack["tokens"] / stack["wall_s"],
             "engine_ttft_p50_s": statistics.median(direct["ttft"]), "stack_ttft_p50_s": statistics.median(stack["ttft"]),
             "engine_wall_s": direct["wall_s"], "stack_wall_s": stack["wall_s"],
             "keep_ratio": (stack["tokens"] / stack["wall_s"]) / (direct["tokens"] / direct["wall_s"]),
@@ -343,11 +355,13 @@ def main(argv: list[str] | None = None) -> dict:
                 # The baseline gets the same requests in the order the web app received them: simultaneous
                 # messages arrive shuffled, and which answers share the first batch moves TTFT and the tail.
                 order = through["received"] + [q["id"] for q in reqs if q["id"] not in through["received"]]
-                rounds.append(summarize(direct.all_at_once([by_id[qid] for qid in order]), through))
+                rounds.append(summarize(direct.all_at_once([by_id[qid] for qid in order]), through, args.slots))
                 r = rounds[-1]
                 print(f"round {n + 1}: engine {r['engine_tok_s']:.1f} tok/s, TTFT p50 {r['engine_ttft_p50_s']:.3f} s; "
                       f"stack {r['stack_tok_s']:.1f} tok/s, TTFT p50 {r['stack_ttft_p50_s']:.3f} s; "
-                      f"keeps {r['keep_ratio']:.0%}, adds {r['added_ttft_p50_s'] * 1000:+.0f} ms", flush=True)
+                      f"keeps {r['keep_ratio']:.0%}, adds {r['added_ttft_p50_s'] * 1000:+.0f} ms; "
+                      f"first batch full at {r['engine_batch_full_s']:.2f} s alone, {r['stack_batch_full_s']:.2f} s "
+                      "through the stack", flush=True)
             alone_direct = direct.one_at_a_time(reqs[:args.alone], alone_cap) if args.alone else []
             alone_stack = stack.one_at_a_time(reqs[:args.alone], alone_cap, args.protocol) if args.alone else []
         finally:
@@ -358,7 +372,8 @@ def main(argv: list[str] | None = None) -> dict:
                "errors": sum(r["errors"] for r in rounds), "identical": min(r["identical"] for r in rounds),
                **{key: statistics.median(r[key] for r in rounds)
                   for key in ("keep_ratio", "added_ttft_p50_s", "engine_tok_s", "stack_tok_s", "engine_ttft_p50_s",
-                              "stack_ttft_p50_s", "engine_wall_s", "stack_wall_s")}}
+                              "stack_ttft_p50_s", "engine_wall_s", "stack_wall_s", "engine_batch_full_s",
+                              "stack_batch_full_s")}}
     if args.alone:
         figures.update(alone_requests=args.alone, alone_engine_ttft_p50_s=statistics.median(alone_direct),
                        alone_stack_ttft_p50_s=statistics.median(alone_stack),
@@ -368,6 +383,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"median of {args.rounds} rounds: the stack keeps {figures['keep_ratio']:.0%} of the engine's tokens/s and "
           f"adds {figures['added_ttft_p50_s'] * 1000:+.0f} ms to TTFT p50; "
           f"{figures['identical']}/{len(reqs)} answers identical in every round")
+    print(f"first batch of {args.slots} full {figures['engine_batch_full_s']:.2f} s after the burst alone, "
+          f"{figures['stack_batch_full_s']:.2f} s through the stack (medians)")
     if args.alone:
         print(f"one request at a time ({args.alone}): engine TTFT p50 {figures['alone_engine_ttft_p50_s'] * 1000:.0f} ms, "
               f"stack {figures['alone_stack_ttft_p50_s'] * 1000:.0f} ms: the stack adds "

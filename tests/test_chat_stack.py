@@ -170,3 +170,31 @@ def test_a_full_queue_refuses_new_messages_with_a_retryable_error(stack, db):
         c.close()
     response = requests.post(full + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"
+
+
+def test_replies_to_the_sender_skip_the_message_queue_and_answers_use_it(client, stack):
+    """`accepted` and `error` go straight to the sender's socket; the worker's tokens reach it through Redis."""
+    import json
+
+    from worker.connections import SOCKETIO_CHANNEL
+
+    pubsub = redis.Redis.from_url(stack.env["REDIS_URL"]).pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(SOCKETIO_CHANNEL)
+    try:
+        client.sio.emit("chat_message", {"text": "   "})
+        assert client.next()[0] == "error"
+        done = client.ask("Do you sell gift cards?", max_new_tokens=4)["done"]
+        to_sender, for_request, deadline = [], set(), time.monotonic() + 5
+        while "done" not in for_request and time.monotonic() < deadline:
+            message = pubsub.get_message(timeout=0.5)
+            sent = json.loads(message["data"]) if message else {}
+            if sent.get("method") != "emit":
+                continue
+            if sent["room"] == client.sio.get_sid():
+                to_sender.append(sent["event"])
+            if sent["data"][0].get("request_id") == done["request_id"]:
+                for_request.add(sent["event"])
+    finally:
+        pubsub.close()
+    assert {"token", "done"} <= for_request and "accepted" not in for_request, for_request
+    assert to_sender == [], to_sender

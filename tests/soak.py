@@ -27,7 +27,7 @@ from models.db import make_engine, make_session_factory, upgrade
 from tests.load.report import summarize
 from tests.load.runner import LoadConfig, Run, open_loop
 from tests.stack import ROOT, Stack
-from worker.celery_app import HEARTBEAT_PREFIX, QUEUE
+from messaging.contract import HEARTBEAT_PREFIX, QUEUE
 from worker.local_redis import start_redis
 
 

@@ -176,7 +176,7 @@ def test_replies_to_the_sender_skip_the_message_queue_and_answers_use_it(client,
     """`accepted` and `error` go straight to the sender's socket; the worker's tokens reach it through Redis."""
     import json
 
-    from worker.connections import SOCKETIO_CHANNEL
+    from messaging.contract import SOCKETIO_CHANNEL
 
     pubsub = redis.Redis.from_url(stack.env["REDIS_URL"]).pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(SOCKETIO_CHANNEL)

@@ -23,7 +23,7 @@ from models.db import make_engine, make_session_factory, upgrade
 from tests.clients import disconnect
 from tests.stack import RedisServer, Stack, base_env, throwaway_database, wait_for
 from webapp.queue import new_job, record_for
-from worker.celery_app import QUEUE, job_key
+from messaging.contract import QUEUE, job_key
 from worker.leases import LeasedChannel
 from worker.local_redis import free_port
 

@@ -17,7 +17,8 @@ from webapp import create_app
 from webapp.metrics import merge_snapshots
 from worker.engine import EngineStats, RequestFinished
 from worker.local_redis import start_redis
-from worker.metrics import WorkerMetrics, snapshot_key
+from messaging.contract import snapshot_key
+from worker.metrics import WorkerMetrics
 
 HISTOGRAMS = ("supportbot_time_to_first_token_seconds", "supportbot_time_per_output_token_seconds",
               "supportbot_e2e_request_latency_seconds", "supportbot_request_queue_time_seconds")

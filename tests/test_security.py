@@ -19,7 +19,7 @@ from tests.clients import ChatClient
 from tests.stack import wait_for
 from webapp import config, create_app, limits
 from webapp.config import ConfigError
-from worker.celery_app import cancelled_key
+from messaging.contract import cancelled_key
 from worker.local_redis import start_redis
 
 PASSWORD = "correct horse battery staple"

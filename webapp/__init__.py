@@ -6,8 +6,8 @@ from flask import Flask
 from flask_socketio import SocketIO, emit
 
 from models.db import make_engine, make_session_factory
-from worker.celery_app import make_celery
-from worker.connections import SocketIOQueue, redis_client
+from messaging.connections import SocketIOQueue, redis_client
+from messaging.queue import make_celery
 
 from . import config
 

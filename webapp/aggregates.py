@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from models import FINISH_REASONS, RequestRecord
-from worker.celery_app import HEARTBEAT_PREFIX, QUEUE
+from messaging.contract import HEARTBEAT_PREFIX, QUEUE
 
 
 @dataclass(frozen=True)

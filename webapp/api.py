@@ -9,7 +9,7 @@ from collections.abc import Iterator
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
-from worker.celery_app import HEARTBEAT_PREFIX
+from messaging.contract import HEARTBEAT_PREFIX
 
 from . import limits, queue
 from .queue import UserError

@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from worker.celery_app import HEARTBEAT_PREFIX
+from messaging.contract import HEARTBEAT_PREFIX
 
 from . import reply, socketio
 

@@ -11,8 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from worker.celery_app import HEARTBEAT_PREFIX, QUEUE
-from worker.metrics import METRICS_PREFIX
+from messaging.contract import HEARTBEAT_PREFIX, METRICS_PREFIX, QUEUE
 
 from .auth import bearer_ok, logged_in
 

@@ -14,9 +14,9 @@ import redis
 from flask import current_app
 from sqlalchemy.exc import SQLAlchemyError
 
+from messaging.contract import (CANCEL_CHANNEL, GENERATE_TASK, JOB_TTL_S, QUEUE, cancelled_key, events_channel,
+                                final_key, job_key)
 from models import RequestRecord
-from worker.celery_app import (CANCEL_CHANNEL, GENERATE_TASK, JOB_TTL_S, QUEUE, cancelled_key, events_channel, final_key,
-                               job_key)
 
 log = logging.getLogger(__name__)
 

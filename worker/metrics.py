@@ -10,14 +10,14 @@ import redis
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from messaging.contract import snapshot_key
 from models import FINISH_REASONS
 
-if TYPE_CHECKING:   # the web app imports this module for its key names and must not load torch
+if TYPE_CHECKING:   # published from the worker's heartbeat thread; only the types come from the engine
     from worker.engine import EngineStats, RequestFinished
 
 log = logging.getLogger(__name__)
 
-METRICS_PREFIX = "supportbot:metrics:"   # + worker name: that worker's latest exposition text
 # A few missed publications (every 2 s) are tolerated; a dead worker's series vanish soon after.
 SNAPSHOT_TTL_S = 10
 
@@ -28,10 +28,6 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
                480.0, 960.0, 1920.0)
-
-
-def snapshot_key(worker: str) -> str:
-    return METRICS_PREFIX + worker
 
 
 class _EngineCollector:

@@ -11,18 +11,11 @@ from dataclasses import dataclass, field
 
 import redis
 
-from worker.connections import SocketIOQueue
+from messaging.connections import SocketIOQueue
+from messaging.contract import STREAMED_TTL_S, streamed_key
 from worker.engine import Event, RequestFinished, TokenDelta
 
 log = logging.getLogger(__name__)
-
-STREAMED_TTL_S = 3600
-
-
-def streamed_key(request_id: str) -> str:
-    """How many characters of a request's answer its clients were sent: a redelivery resumes after them."""
-    return f"supportbot:streamed:{request_id}"
-
 
 @dataclass
 class Answer:

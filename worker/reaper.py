@@ -14,7 +14,8 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from models import RequestRecord
-from worker.celery_app import GENERATE_TASK, QUEUE, celery, events_channel, job_key
+from messaging.contract import GENERATE_TASK, QUEUE, events_channel, job_key
+from worker.celery_app import celery
 from worker.leases import LeasedChannel
 
 if TYPE_CHECKING:

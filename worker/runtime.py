@@ -14,14 +14,15 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
-from worker.celery_app import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
-                               visibility_timeout)
-from worker.connections import SocketIOQueue, redis_client
+from messaging.connections import SocketIOQueue, redis_client
+from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
+                                streamed_key)
+from messaging.queue import visibility_timeout
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
-from worker.publisher import Answer, Publisher, streamed_key
+from worker.publisher import Answer, Publisher
 from worker.reaper import Reaper
 from worker.settings import WorkerSettings
 

@@ -9,7 +9,8 @@ from celery import states
 from celery.exceptions import Reject
 from celery.signals import task_postrun, task_received, worker_init, worker_shutdown, worker_shutting_down
 
-from worker.celery_app import GENERATE_TASK, celery
+from messaging.contract import GENERATE_TASK
+from worker.celery_app import celery
 from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams
 from worker.publisher import Answer
 from worker.runtime import Unavailable, WorkerRuntime, fit_to_context, outcome

@@ -12,10 +12,10 @@ import socketio
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from messaging.contract import SOCKETIO_CHANNEL
+
 log = logging.getLogger(__name__)
 
-# Flask-SocketIO's default channel: the worker's emitter and every web process must agree on it.
-SOCKETIO_CHANNEL = "flask-socketio"
 # The web processes' listener retries this often at most, so it is back soon after Redis is.
 LISTEN_RETRY_MAX_S = 1.0
 

@@ -1,0 +1,43 @@
+"""The queue contract between the web app and the workers: task and queue names, Redis keys and channels."""
+
+from __future__ import annotations
+
+QUEUE = "generate"                              # the one Celery queue of generation requests
+GENERATE_TASK = "supportbot.generate"
+CANCEL_CHANNEL = "supportbot:cancel"            # web -> worker: abort this request id
+HEARTBEAT_PREFIX = "supportbot:workers:"        # worker -> web: a key per live worker, short TTL
+METRICS_PREFIX = "supportbot:metrics:"          # + worker name: that worker's latest Prometheus exposition text
+SOCKETIO_CHANNEL = "flask-socketio"             # Flask-SocketIO's message queue channel, shared by every web process
+FINAL_TTL_S = 3600
+JOB_TTL_S = 86400                               # a queued request's copy outlives any wait in the queue
+STREAMED_TTL_S = 3600
+
+
+def cancelled_key(request_id: str) -> str:
+    """Set when a request is cancelled, so a worker that has not started it yet skips it."""
+    return f"supportbot:cancelled:{request_id}"
+
+
+def events_channel(request_id: str) -> str:
+    """The pub/sub channel of one API request's events."""
+    return f"supportbot:events:{request_id}"
+
+
+def final_key(request_id: str) -> str:
+    """The last event of an API request, kept a while for a listener that was away when it was published."""
+    return f"supportbot:final:{request_id}"
+
+
+def job_key(request_id: str) -> str:
+    """A copy of a queued request, kept until it is answered, so a message lost in transit can be sent again."""
+    return f"supportbot:job:{request_id}"
+
+
+def streamed_key(request_id: str) -> str:
+    """How many characters of a request's answer its clients were sent: a redelivery resumes after them."""
+    return f"supportbot:streamed:{request_id}"
+
+
+def snapshot_key(worker: str) -> str:
+    """A worker's latest metrics exposition."""
+    return METRICS_PREFIX + worker

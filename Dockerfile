@@ -24,5 +24,5 @@ ENV MODEL_CACHE_DIR=/var/cache/supportbot/models \
     HF_HOME=/var/cache/supportbot/huggingface
 
 EXPOSE 5000
-CMD ["gunicorn", "--worker-class", "gthread", "--workers", "1", "--threads", "100", \
-     "--bind", "0.0.0.0:5000", "--access-logfile", "-", "webapp.wsgi:app"]
+ENV HOST=0.0.0.0 PORT=5000
+CMD ["gunicorn", "-c", "webapp/gunicorn.conf.py"]

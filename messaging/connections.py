@@ -32,8 +32,25 @@ def redis_options() -> dict:
     }
 
 
-def redis_client(url: str) -> redis.Redis:
-    return redis.Redis.from_url(url, **redis_options())
+def pool_size() -> int:
+    """Connections one process keeps to Redis at most; more callers at once wait for one to be free."""
+    return int(os.environ.get("REDIS_MAX_CONNECTIONS", "256"))
+
+
+def pool_timeout_s() -> float:
+    """How long a caller waits for a free pooled connection before the call fails as Redis being unavailable."""
+    return float(os.environ.get("REDIS_POOL_TIMEOUT_S", "10"))
+
+
+def redis_client(url: str, max_connections: int | None = None) -> redis.Redis:
+    """A client whose pool makes callers wait (up to `pool_timeout_s()`) when every connection is in use.
+
+    redis-py's default pool refuses a caller outright past its limit ("Too many connections"), so a burst
+    of customers would be refused by our own plumbing while Redis itself is healthy.
+    """
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections or pool_size(),
+                                                 timeout=pool_timeout_s(), **redis_options())
+    return redis.Redis(connection_pool=pool)
 
 
 class SocketIOQueue(socketio.RedisManager):
@@ -41,25 +58,30 @@ class SocketIOQueue(socketio.RedisManager):
 
     The stock listener doubles its pause after every failed attempt up to a minute, so after a long outage a
     web process could stay deaf for a minute after Redis is back; this one retries every second.
-    With `strict`, a publish that fails raises instead of being logged and dropped, so the caller can retry.
+    Messages on `extra_channels`, read on the same connection (so in the order they were published across all
+    the channels), go to `on_message` instead of Socket.IO's own handling.
     """
 
-    def __init__(self, url: str, write_only: bool = False, strict: bool = False) -> None:
+    def __init__(self, url: str, write_only: bool = False, extra_channels: tuple[str, ...] = ()) -> None:
         super().__init__(url, channel=SOCKETIO_CHANNEL, write_only=write_only, logger=log,
                          redis_options=redis_options())
-        self.strict = strict
+        self.extra_channels = {name.encode(): name for name in extra_channels}
 
-    def encode(self, event: str, data: dict, room: str) -> str:
-        """An emit to `room` as the web processes' listeners read it, for a caller that publishes it itself."""
-        return self.json.dumps({"method": "emit", "event": event, "data": [data], "binary": False, "namespace": "/",
-                                "room": room, "skip_sid": None, "callback": None, "host_id": self.host_id})
+    def on_message(self, channel: str, data: bytes) -> None:
+        """A message on one of `extra_channels`, in the listener's thread."""
 
-    def _publish(self, data):
-        if not self.strict:
-            return super()._publish(data)
-        if not self.connected:
-            self._redis_connect()
-        return self.redis.publish(self.channel, self.json.dumps(data))   # the client reconnects by itself
+    def _listen(self) -> Iterator[bytes]:
+        own = self.channel.encode()
+        for message in self._redis_listen_with_retries():
+            if message["type"] != "message":
+                continue
+            if message["channel"] == own:
+                yield message["data"]
+            elif message["channel"] in self.extra_channels:
+                try:
+                    self.on_message(self.extra_channels[message["channel"]], message["data"])
+                except Exception:   # one bad message must not stop the listener
+                    log.exception("handling a message on %s failed", message["channel"])
 
     def _redis_listen_with_retries(self) -> Iterator[dict]:
         pause, subscribed = 0.5, False
@@ -67,7 +89,7 @@ class SocketIOQueue(socketio.RedisManager):
             try:
                 if not subscribed:
                     self._redis_connect()
-                    self.pubsub.subscribe(self.channel)
+                    self.pubsub.subscribe(self.channel, *self.extra_channels.values())
                     subscribed, pause = True, 0.5
                     log.info("Socket.IO message queue: listening on Redis")
                 yield from self.pubsub.listen()

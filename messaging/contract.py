@@ -8,6 +8,9 @@ CANCEL_CHANNEL = "supportbot:cancel"            # web -> worker: abort this requ
 HEARTBEAT_PREFIX = "supportbot:workers:"        # worker -> web: a key per live worker, short TTL
 METRICS_PREFIX = "supportbot:metrics:"          # + worker name: that worker's latest Prometheus exposition text
 SOCKETIO_CHANNEL = "flask-socketio"             # Flask-SocketIO's message queue channel, shared by every web process
+# worker -> every web process: batches of answer events (text deltas, ends) for any number of requests;
+# messaging/stream.py says what a batch holds.
+STREAM_CHANNEL = "supportbot:stream"
 FINAL_TTL_S = 3600
 JOB_TTL_S = 86400                               # a queued request's copy outlives any wait in the queue
 STREAMED_TTL_S = 3600

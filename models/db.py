@@ -14,7 +14,7 @@ from alembic.config import Config
 from sqlalchemy import URL, Engine, create_engine, event, make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from models.sqlite import QueuedWritesConnection
+from models.sqlite import connection_class
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ALEMBIC_INI = REPO_ROOT / "alembic.ini"
@@ -45,9 +45,11 @@ def _on_sqlite_connect(dbapi_connection: Any, _record: Any) -> None:
     cursor = dbapi_connection.cursor()
     try:
         # WAL lets the web processes read while the worker writes; the busy timeout makes
-        # concurrent writers queue up instead of failing with "database is locked".
+        # concurrent writers queue up instead of failing with "database is locked" (a cooperative
+        # connection waits by itself instead: models/sqlite.py).
         cursor.execute("PRAGMA journal_mode=WAL")
-        cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_S * 1000}")
+        busy_ms = 0 if getattr(dbapi_connection, "cooperative", False) else SQLITE_BUSY_TIMEOUT_S * 1000
+        cursor.execute(f"PRAGMA busy_timeout={busy_ms}")
         cursor.execute("PRAGMA synchronous=NORMAL")
         # SQLite ignores ON DELETE CASCADE / SET NULL unless asked per connection.
         cursor.execute("PRAGMA foreign_keys=ON")
@@ -64,7 +66,7 @@ def make_engine(url: str | URL | None = None, **kwargs: Any) -> Engine:
         connect_args.setdefault("check_same_thread", False)
         connect_args.setdefault("timeout", SQLITE_BUSY_TIMEOUT_S)
         # Threads of one process queue for the write lock instead of polling SQLite for it (models/sqlite.py).
-        connect_args.setdefault("factory", QueuedWritesConnection)
+        connect_args.setdefault("factory", connection_class())
         engine = create_engine(url, connect_args=connect_args, **kwargs)
         event.listen(engine, "connect", _on_sqlite_connect)
         return engine

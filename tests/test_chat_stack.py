@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -172,29 +173,31 @@ def test_a_full_queue_refuses_new_messages_with_a_retryable_error(stack, db):
     assert response.status_code == 429 and response.json()["error"]["code"] == "queue_full"
 
 
-def test_replies_to_the_sender_skip_the_message_queue_and_answers_use_it(client, stack):
-    """`accepted` and `error` go straight to the sender's socket; the worker's tokens reach it through Redis."""
-    import json
-
-    from messaging.contract import SOCKETIO_CHANNEL
+def test_replies_to_the_sender_skip_the_message_queue_and_answers_use_the_stream(client, stack):
+    """`accepted` and `error` go straight to the sender's socket; the worker's tokens and end reach it through the
+    stream every web process reads, addressed to the conversation's room."""
+    from messaging.contract import SOCKETIO_CHANNEL, STREAM_CHANNEL
+    from messaging.stream import decode_batch
 
     pubsub = redis.Redis.from_url(stack.env["REDIS_URL"]).pubsub(ignore_subscribe_messages=True)
-    pubsub.subscribe(SOCKETIO_CHANNEL)
+    pubsub.subscribe(SOCKETIO_CHANNEL, STREAM_CHANNEL)
     try:
         client.sio.emit("chat_message", {"text": "   "})
         assert client.next()[0] == "error"
-        done = client.ask("Do you sell gift cards?", max_new_tokens=4)["done"]
-        to_sender, for_request, deadline = [], set(), time.monotonic() + 5
-        while "done" not in for_request and time.monotonic() < deadline:
+        result = client.ask("Do you sell gift cards?", max_new_tokens=4)
+        done = result["done"]
+        on_queue, streamed, deadline = [], [], time.monotonic() + 5
+        while not any(e.name == "done" for e in streamed) and time.monotonic() < deadline:
             message = pubsub.get_message(timeout=0.5)
-            sent = json.loads(message["data"]) if message else {}
-            if sent.get("method") != "emit":
+            if message is None:
                 continue
-            if sent["room"] == client.sio.get_sid():
-                to_sender.append(sent["event"])
-            if sent["data"][0].get("request_id") == done["request_id"]:
-                for_request.add(sent["event"])
+            if message["channel"] == SOCKETIO_CHANNEL.encode():
+                on_queue.append(json.loads(message["data"]))
+            else:
+                streamed += [e for e in decode_batch(message["data"]) if e.data["request_id"] == done["request_id"]]
     finally:
         pubsub.close()
-    assert {"token", "done"} <= for_request and "accepted" not in for_request, for_request
-    assert to_sender == [], to_sender
+    assert on_queue == [], on_queue
+    assert [e.name for e in streamed][-1] == "done" and {e.name for e in streamed} == {"token", "done"}
+    assert all(e.room == done["conversation_id"] and not e.api for e in streamed)
+    assert "".join(e.data["text"] for e in streamed if e.name == "token") == done["text"]

@@ -182,12 +182,15 @@ def test_every_long_running_service_has_a_health_check(compose_config):
     assert any("/healthz" in part for part in services["web"]["healthcheck"]["test"])
 
 
-def test_web_serves_with_one_threaded_gunicorn_process(compose_config):
+def test_web_serves_with_one_gevent_gunicorn_process(compose_config):
     web = compose_config["services"]["web"]
     command = command_line(web)
-    assert command.startswith("gunicorn") and "webapp.wsgi:app" in command
+    assert command == "gunicorn -c webapp/gunicorn.conf.py"
     # One process per container: Socket.IO's sessions live in the process; replicas scale instead.
-    assert re.search(r"(--workers|-w)[ =]1\b", command) and "gthread" in command
+    conf = (ROOT / "webapp" / "gunicorn.conf.py").read_text()
+    assert re.search(r"^workers = 1$", conf, re.M) and re.search(r'^worker_class = "gevent"$', conf, re.M)
+    assert re.search(r'^wsgi_app = "webapp.wsgi:app"$', conf, re.M)
+    assert service_environment(web)["HOST"] == "0.0.0.0" and str(service_environment(web)["PORT"]) == "5000"
     assert any(str(port.get("target") if isinstance(port, dict) else port).endswith("5000")
                for port in web["ports"])
     env = service_environment(web)
@@ -266,5 +269,7 @@ def test_image_installs_the_default_model_the_makefile_pins():
     users = re.findall(r"^USER (\S+)", dockerfile, re.M)
     assert users and users[-1] not in ("root", "0")
     assert re.search(r"^gunicorn==", (ROOT / "requirements.txt").read_text(), re.M)
+    assert re.search(r"^gevent==", (ROOT / "requirements.txt").read_text(), re.M)
+    assert 'CMD ["gunicorn", "-c", "webapp/gunicorn.conf.py"]' in dockerfile
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".env", ".venv", ".git", "instance"} <= set(ignored)

@@ -6,10 +6,11 @@ from flask import Flask
 from flask_socketio import SocketIO, emit
 
 from models.db import make_engine, make_session_factory
-from messaging.connections import SocketIOQueue, redis_client
+from messaging.connections import redis_client
 from messaging.queue import make_celery
 
 from . import config
+from .stream import StreamQueue
 
 socketio = SocketIO()
 
@@ -25,6 +26,16 @@ def reply(event: str, body: dict) -> None:
     emit(event, body, ignore_queue=True)
 
 
+def async_mode() -> str:
+    """`gevent` under the production server (gunicorn's gevent worker patches the standard library first): every
+    connection a greenlet. `threading` otherwise, for the app built inside tests and tools."""
+    try:
+        from gevent import monkey
+    except ImportError:
+        return "threading"
+    return "gevent" if monkey.is_module_patched("socket") else "threading"
+
+
 def create_app(overrides: dict | None = None) -> Flask:
     app = Flask(__name__, instance_path=str(config.INSTANCE_DIR))
     app.config.update(config.load())
@@ -33,9 +44,9 @@ def create_app(overrides: dict | None = None) -> Flask:
     app.extensions["redis"] = redis_client(app.config["REDIS_URL"])
     app.extensions["celery"] = make_celery(app.config["REDIS_URL"])
     app.extensions["db"] = make_session_factory(make_engine(app.config["DATABASE_URL"]))
-    # Every web process listens on the same Redis channel, so the worker's emits reach any of them.
-    socketio.init_app(app, client_manager=SocketIOQueue(app.config["REDIS_URL"]), async_mode="threading",
-                      max_http_buffer_size=SOCKET_BUFFER_BYTES)
+    # Every web process listens on the same Redis channels, so any worker's answers reach any of them.
+    stream = app.extensions["stream"] = StreamQueue(app.config["REDIS_URL"])
+    socketio.init_app(app, client_manager=stream, async_mode=async_mode(), max_http_buffer_size=SOCKET_BUFFER_BYTES)
 
     from . import api, auth, chat, dashboard, health, limits, metrics, security
     try:

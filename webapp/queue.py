@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import secrets
 import time
 import uuid
@@ -110,40 +111,36 @@ def cancel(request_id: str) -> bool:
 
 
 def subscribe(job: dict, silence_limit_s: float) -> Iterator[dict]:
-    """The job's events from its own channel, ending with `done` or `error`; call it before sending the job.
+    """The job's events, ending with `done` or `error`; call it before sending the job, so none slips past.
 
-    Redis going away does not end the stream: the subscription is renewed once Redis is back, and a final
-    event published meanwhile is read from where the worker keeps it. Text deltas lost in between are made
-    up from the final text, so the deltas always add up to exactly the answer.
+    They come through this web process's one subscription to the workers' stream (webapp/stream.py). Redis
+    going away does not end them: the subscription is renewed once Redis is back, and a final event
+    published meanwhile is read from where the worker keeps it. Text deltas lost in between are made up from
+    the final text, so the deltas always add up to exactly the answer.
     """
-    r = current_app.extensions["redis"]
-    pubsub = r.pubsub(ignore_subscribe_messages=True)
-    try:
-        pubsub.subscribe(job["channel"])
-    except redis.RedisError as exc:
-        pubsub.close()
-        mark_unqueued(job["request_id"], exc)
-        raise unavailable() from exc
-    return _events(r, pubsub, job["request_id"], silence_limit_s)
+    stream = current_app.extensions["stream"]
+    stream.start()
+    return _events(current_app.extensions["redis"], stream, job["request_id"], silence_limit_s)
 
 
-def _events(r: redis.Redis, pubsub, request_id: str, silence_limit_s: float) -> Iterator[dict]:
+def _events(r: redis.Redis, stream, request_id: str, silence_limit_s: float) -> Iterator[dict]:
+    events = stream.wait_for(request_id)
     text = _Deltas()
     heard = checked = time.monotonic()
     try:
         while time.monotonic() - heard < silence_limit_s:
             try:
-                message = pubsub.get_message(timeout=1.0)
-                if message is None and time.monotonic() - checked > FINAL_CHECK_S:
+                event = events.get(timeout=1.0)
+            except queue.Empty:
+                event = None
+                if time.monotonic() - checked > FINAL_CHECK_S:
                     checked = time.monotonic()
-                    kept = r.get(final_key(request_id))
+                    try:
+                        kept = r.get(final_key(request_id))
+                    except redis.RedisError as exc:
+                        log.warning("lost Redis while waiting for %s (%s)", request_id, exc)
+                        continue
                     event = json.loads(kept) if kept else None
-                else:
-                    event = json.loads(message["data"]) if message else None
-            except redis.RedisError as exc:
-                log.warning("lost Redis while waiting for %s (%s); resubscribing", request_id, exc)
-                time.sleep(0.5)
-                continue
             if event is None:
                 continue
             heard = time.monotonic()
@@ -151,10 +148,7 @@ def _events(r: redis.Redis, pubsub, request_id: str, silence_limit_s: float) -> 
             if event["event"] in ("done", "error"):
                 return
     finally:
-        try:
-            pubsub.close()
-        except redis.RedisError:
-            pass
+        stream.stop_waiting(request_id)
 
 
 class _Deltas:

@@ -1,5 +1,7 @@
-"""WSGI entry for production servers: `gunicorn -w 1 --threads 100 -b 0.0.0.0:5000 webapp.wsgi:app`."""
+"""WSGI entry for gunicorn: `gunicorn -c webapp/gunicorn.conf.py` (what `python -m webapp` runs)."""
 
 from webapp import create_app
 
 app = create_app()
+# Listen to the workers' answers from the start, not only from the first Socket.IO connection.
+app.extensions["stream"].start()

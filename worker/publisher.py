@@ -1,21 +1,26 @@
-"""One thread streams every answer's text: an engine step's deltas, for all requests, go to Redis together."""
+"""One thread streams every answer's text: each window's deltas, for all requests, go to Redis in one message."""
 
 from __future__ import annotations
 
-import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import redis
 
-from messaging.connections import SocketIOQueue
-from messaging.contract import STREAMED_TTL_S, streamed_key
+from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, streamed_key
+from messaging.stream import encode_batch, event_for
 from worker.engine import Event, RequestFinished, TokenDelta
 
 log = logging.getLogger(__name__)
+
+# Text is sent at most this often (per worker, for all requests together), unless something cannot wait:
+# a request's first text, or the end of an answer. Slower engine steps are sent as each one comes.
+DEFAULT_WINDOW_S = 0.05
+
 
 @dataclass
 class Answer:
@@ -40,18 +45,24 @@ class Answer:
 
 
 class Publisher:
-    """Reads the engine's output for every tracked request and sends it on, one Redis transaction per step.
+    """Reads the engine's output for every tracked request and sends it on, one Redis transaction per window.
 
-    One thread for all requests, instead of one per request, means one wake-up and one round trip per engine
-    step however many requests share the batch: less that competes with the engine loop for the GIL.
+    The engine hands each step's events, for all requests, to this one thread. Their text is held back for up
+    to `window_s` since the last send, so a fast engine's steps are sent together: one pub/sub message and one
+    round trip carry every request's new text, however many requests and steps it covers. A request's first
+    text and every answer's end go out at once.
     """
 
-    def __init__(self, client: redis.Redis, emitter: SocketIOQueue, on_redis_error: Callable[[], None]) -> None:
-        self.redis, self.emitter, self.on_redis_error = client, emitter, on_redis_error
+    def __init__(self, client: redis.Redis, on_redis_error: Callable[[], None],
+                 window_s: float = DEFAULT_WINDOW_S) -> None:
+        self.redis, self.on_redis_error, self.window_s = client, on_redis_error, window_s
         self.outbox: queue.Queue[list[Event]] = queue.Queue()   # the engine puts each step's events here
         self.answers: dict[str, Answer] = {}
         self.lock = threading.Lock()
         self.blind = False   # text deltas are failing to reach Redis
+        self.pending: dict[str, list[str]] = {}   # request id -> text not sent yet, in order
+        self.sent_at = 0.0   # monotonic time of the last send
+        self.batches = 0     # messages published, for tests and benchmarks
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
 
     def track(self, job: dict, shown: int) -> Answer | None:
@@ -69,42 +80,59 @@ class Publisher:
 
     def _run(self) -> None:
         while True:
-            events = self.outbox.get()
-            while not self.outbox.empty():   # fell behind the engine: send the steps that piled up together
-                events += self.outbox.get_nowait()
+            wait = None if not self.pending else max(0.0, self.sent_at + self.window_s - time.monotonic())
+            try:
+                events = self.outbox.get(timeout=wait)
+                while not self.outbox.empty():   # fell behind the engine: take the steps that piled up together
+                    events += self.outbox.get_nowait()
+            except queue.Empty:
+                events = []
             try:
                 self.publish(events)
             except Exception:   # never leave a request waiting for an end that this thread dropped
                 log.exception("publishing answers failed")
+                self.pending.clear()
                 self._hand_over_ends(events)
 
     def publish(self, events: list[Event]) -> None:
-        with self.lock:
-            answers = {e.request_id: self.answers.get(e.request_id) for e in events}
-        texts: dict[str, list[str]] = {}
+        """Take in a step's events; send what is due (everything, once the window has passed)."""
+        urgent = False
         for event in events:
-            if isinstance(event, TokenDelta) and answers[event.request_id] is not None:
-                texts.setdefault(event.request_id, []).append(event.text)
-        deltas = [(answers[rid], unseen) for rid, parts in texts.items()
-                  if (unseen := answers[rid].unseen("".join(parts)))]
-        if deltas:
-            self.send(deltas)
+            if isinstance(event, TokenDelta) and event.text:
+                parts = self.pending.get(event.request_id)
+                if parts is None:
+                    parts = self.pending[event.request_id] = []
+                    with self.lock:
+                        answer = self.answers.get(event.request_id)
+                    urgent |= answer is not None and answer.produced == 0   # its first text
+                parts.append(event.text)
+            elif isinstance(event, RequestFinished):
+                urgent = True   # its last text goes out before its end can
+        if self.pending and (urgent or time.monotonic() - self.sent_at >= self.window_s):
+            self.flush()
         self._hand_over_ends(events)   # after the text: a request's end is never sent before its last delta
 
+    def flush(self) -> None:
+        pending, self.pending = self.pending, {}
+        self.sent_at = time.monotonic()
+        with self.lock:
+            answers = {rid: self.answers.get(rid) for rid in pending}
+        deltas = [(answer, unseen) for rid, parts in pending.items()
+                  if (answer := answers[rid]) is not None and (unseen := answer.unseen("".join(parts)))]
+        if deltas:
+            self.send(deltas)
+
     def send(self, deltas: list[tuple[Answer, tuple[str, int]]]) -> None:
-        """Text deltas and the stream positions after them, in one transaction: a worker killed here has either
-        shown a text and recorded its position, or neither, so a redelivery never shows text twice, even to a
-        client that ignores offsets. While Redis is down the deltas are lost (the final event carries the whole
-        text, and clients see the gap in the offsets)."""
-        pipe = self.redis.pipeline(transaction=True)
+        """Every request's text delta in one message, and the stream positions after them, in one transaction:
+        a worker killed here has either shown a text and recorded its position, or neither, so a redelivery
+        never shows text twice, even to a client that ignores offsets. While Redis is down the deltas are lost
+        (the final event carries the whole text, and clients see the gap in the offsets)."""
+        events, pipe = [], self.redis.pipeline(transaction=True)
         for answer, (text, offset) in deltas:
-            job = answer.job
-            payload = {"request_id": job["request_id"], "text": text, "offset": offset}
-            if job.get("room"):
-                pipe.publish(self.emitter.channel, self.emitter.encode("token", payload, job["room"]))
-            if job.get("channel"):
-                pipe.publish(job["channel"], json.dumps({"event": "token", **payload}))
-            pipe.set(streamed_key(job["request_id"]), offset + len(text), ex=STREAMED_TTL_S)
+            rid = answer.job["request_id"]
+            events.append(event_for(answer.job, "token", {"request_id": rid, "text": text, "offset": offset}))
+            pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
+        pipe.publish(STREAM_CHANNEL, encode_batch(events))
         try:
             pipe.execute()
         except redis.RedisError as exc:
@@ -113,6 +141,7 @@ class Publisher:
                 log.warning("cannot stream answers while Redis is unreachable (%s); their ends are sent later", exc)
             self.blind = True
             return
+        self.batches += 1
         if self.blind:
             self.blind = False
             log.info("streaming answers again")
@@ -124,3 +153,9 @@ class Publisher:
                     answer = self.answers.pop(event.request_id, None)
                 if answer is not None:
                     answer.ends.put(event)
+
+
+def publish_event(client: redis.Redis | redis.client.Pipeline, job: dict, name: str, data: dict) -> None:
+    """One event (an answer's end) on the stream, on its own."""
+    client.publish(STREAM_CHANNEL, encode_batch([event_for(job, name, data)]))
+

@@ -12,17 +12,17 @@ import redis
 from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from models import Message, RequestRecord
-from models.db import make_engine, make_session_factory
-from messaging.connections import SocketIOQueue, redis_client
+from messaging.connections import redis_client
 from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
                                 streamed_key)
 from messaging.queue import visibility_timeout
+from models import Message, RequestRecord
+from models.db import make_engine, make_session_factory
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
-from worker.publisher import Answer, Publisher
+from worker.publisher import Answer, Publisher, publish_event
 from worker.reaper import Reaper
 from worker.settings import WorkerSettings
 
@@ -84,14 +84,12 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(s.name, self.model_name)
         self.leases = Leases(self.redis, visibility_timeout())
         self.leases.start()
-        # Emits into every web process's rooms; a failed publish raises, so a final event can be retried.
-        self.emitter = SocketIOQueue(s.redis_url, write_only=True, strict=True)
         self.sessions = make_session_factory(make_engine(s.database_url))
         self.stopped = threading.Event()
         self.draining = threading.Event()       # shutting down: start nothing new
         self.handing_back = threading.Event()   # grace period over: unfinished answers go back to the queue
         self.redis_failed_at = -ECHO_WINDOW_S        # monotonic time of the latest failure seen
-        self.publisher = Publisher(self.redis, self.emitter, on_redis_error=self._redis_failed)
+        self.publisher = Publisher(self.redis, on_redis_error=self._redis_failed, window_s=s.stream_window_s)
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
         Reaper(self, s.lost_after_s).start()
@@ -100,11 +98,9 @@ class WorkerRuntime:
     # ---- outputs ----------------------------------------------------------------------------
 
     def emit(self, event: str, payload: dict, job: dict) -> None:
-        """To the conversation's Socket.IO room, and to the request's own channel for HTTP clients."""
-        if job.get("room"):
-            self.emitter.emit(event, payload, namespace="/", room=job["room"])
-        if job.get("channel"):
-            self.redis.publish(job["channel"], json.dumps({"event": event, **payload}))
+        """On the stream every web process reads: to the conversation's Socket.IO room, and to the HTTP client
+        waiting for the request."""
+        publish_event(self.redis, job, event, payload)
 
     def start_answer(self, job: dict, prompt_ids: list[int], params: SamplingParams, shown: int) -> Answer | None:
         """Submit a request to the engine; its text streams out from the publisher's thread, past the first

@@ -30,4 +30,6 @@ class WorkerSettings:
     # An accepted request found in no queue and held by no worker this long after it was accepted was lost in
     # a fault (worker/reaper.py): it is queued again from its copy, or its customer is told to send it again.
     lost_after_s: float = field(default_factory=lambda: float(os.environ.get("LOST_AFTER_S", "20")))
+    # Text deltas are sent at most this often, every request's together in one message (worker/publisher.py).
+    stream_window_s: float = field(default_factory=lambda: float(os.environ.get("STREAM_WINDOW_MS", "50")) / 1000)
     name: str = field(default_factory=lambda: os.environ.get("WORKER_NAME", f"worker@{socket.gethostname()}"))

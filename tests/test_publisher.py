@@ -1,0 +1,108 @@
+"""The worker's publisher: each window's text for all requests in one message, exact offsets, ends after text."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import redis
+
+from messaging.contract import STREAM_CHANNEL, streamed_key
+from messaging.stream import decode_batch
+from worker.engine import RequestFinished, TokenDelta
+from worker.local_redis import start_redis
+from worker.publisher import Publisher
+
+
+@pytest.fixture()
+def r(tmp_path):
+    proc, url = start_redis(tmp_path / "redis", persist=False)
+    try:
+        yield redis.Redis.from_url(url)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def finished(request_id: str, text: str) -> RequestFinished:
+    now = time.time()
+    return RequestFinished(request_id=request_id, text=text, token_ids=[], finish_reason="stop", prompt_tokens=1,
+                           completion_tokens=1, cached_tokens=0, arrival_time=now, admitted_time=now,
+                           first_token_time=now, finished_time=now, mean_batch_size=1.0)
+
+
+def batches(pubsub, count: int, timeout: float = 10) -> list[list]:
+    out, deadline = [], time.monotonic() + timeout
+    while len(out) < count and time.monotonic() < deadline:
+        message = pubsub.get_message(timeout=0.1)
+        if message is not None:
+            out.append(decode_batch(message["data"]))
+    return out
+
+
+def job(rid: str, api: bool = False) -> dict:
+    return {"request_id": rid, "room": None if api else f"room-{rid}", "channel": f"events:{rid}" if api else None}
+
+
+def test_steps_within_a_window_go_out_as_one_message_for_every_request(r):
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(STREAM_CHANNEL)
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=2.0)
+    a, b = publisher.track(job("a"), 0), publisher.track(job("b", api=True), 0)
+    publisher.outbox.put([TokenDelta("a", "He", []), TokenDelta("b", "Hi", [])])   # first text: sent at once
+    [first] = batches(pubsub, 1)
+    assert [(e.name, e.room, e.api, e.data) for e in first] == [
+        ("token", "room-a", False, {"request_id": "a", "text": "He", "offset": 0}),
+        ("token", None, True, {"request_id": "b", "text": "Hi", "offset": 0})]
+    # Four more steps inside the window, then one request ends: its end forces the text out first.
+    for step in ([TokenDelta("a", "llo", [])], [TokenDelta("a", ",", []), TokenDelta("b", " the", [])],
+                 [TokenDelta("a", " world", []), TokenDelta("b", "", [])], [TokenDelta("b", "re", [])]):
+        publisher.outbox.put(step)
+    assert batches(pubsub, 1, timeout=0.5) == [], "text inside the window is held back"
+    publisher.outbox.put([finished("b", "Hi there")])
+    [second] = batches(pubsub, 1)
+    assert {e.data["request_id"]: (e.data["text"], e.data["offset"]) for e in second} == {
+        "a": ("llo, world", 2), "b": (" there", 2)}
+    assert b.ends.get(timeout=5).text == "Hi there"
+    assert (int(r.get(streamed_key("a"))), int(r.get(streamed_key("b")))) == (12, 8)
+    assert publisher.batches == 2
+
+
+def test_a_window_of_zero_sends_each_step_and_a_redelivery_resumes_exactly(r):
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(STREAM_CHANNEL)
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
+    publisher.track(job("c"), shown=7)   # an earlier delivery showed "Hello, "
+    for text in ("Hel", "lo, wo", "rld"):
+        publisher.outbox.put([TokenDelta("c", text, [])])
+        time.sleep(0.05)
+    publisher.outbox.put([finished("c", "Hello, world")])
+    got = [e.data for batch in batches(pubsub, 2) for e in batch]
+    assert [(d["text"], d["offset"]) for d in got] == [("wo", 7), ("rld", 9)]
+    assert int(r.get(streamed_key("c"))) == 12
+
+
+def test_many_requests_and_steps_lose_nothing_and_keep_order(r):
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(STREAM_CHANNEL)
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0.02)
+    ids = [f"r{i}" for i in range(64)]
+    answers = {rid: publisher.track(job(rid), 0) for rid in ids}
+    for step in range(50):
+        publisher.outbox.put([TokenDelta(rid, f"{step},", []) for rid in ids])
+        if step % 10 == 0:
+            time.sleep(0.01)
+    publisher.outbox.put([finished(rid, "") for rid in ids])
+    for answer in answers.values():
+        answer.ends.get(timeout=10)
+    texts: dict[str, str] = {rid: "" for rid in ids}
+    messages = batches(pubsub, publisher.batches)
+    for batch in messages:
+        for e in batch:
+            assert e.data["offset"] == len(texts[e.data["request_id"]]), "a gap or a repeat"
+            texts[e.data["request_id"]] += e.data["text"]
+    expected = "".join(f"{step}," for step in range(50))
+    assert texts == {rid: expected for rid in ids}
+    assert len(messages) < 50, "steps were not coalesced"
+    assert json.loads(r.get(streamed_key("r0"))) == len(expected)

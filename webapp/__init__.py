@@ -10,6 +10,7 @@ from messaging.connections import redis_client
 from messaging.queue import make_celery
 
 from . import config
+from .capacity import Capacity
 from .stream import StreamQueue
 
 socketio = SocketIO()
@@ -42,6 +43,7 @@ def create_app(overrides: dict | None = None) -> Flask:
     app.config.update(overrides or {})
     config.check_production(app.config)
     app.extensions["redis"] = redis_client(app.config["REDIS_URL"])
+    app.extensions["capacity"] = Capacity(app.extensions["redis"])
     app.extensions["celery"] = make_celery(app.config["REDIS_URL"])
     app.extensions["db"] = make_session_factory(make_engine(app.config["DATABASE_URL"]))
     # Every web process listens on the same Redis channels, so any worker's answers reach any of them.

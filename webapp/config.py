@@ -112,6 +112,12 @@ def flag(name: str, default: bool) -> bool:
     return value.strip().lower() not in ("0", "false", "no", "off")
 
 
+def optional_int(name: str) -> int | None:
+    """An integer setting, or None when it is unset or empty (then its default follows the workers' capacity)."""
+    value = os.environ.get(name, "").strip()
+    return int(value) if value else None
+
+
 def system_prompt(shop: str) -> str:
     if os.environ.get("SYSTEM_PROMPT_FILE"):
         return Path(os.environ["SYSTEM_PROMPT_FILE"]).read_text().strip()
@@ -133,7 +139,7 @@ def load() -> dict:
         "RATE_LIMIT_PER_SESSION": os.environ.get("RATE_LIMIT_PER_SESSION", "60/minute"),
         "RATE_LIMIT_PER_IP": os.environ.get("RATE_LIMIT_PER_IP", "600/minute"),
         "LOGIN_RATE_LIMIT": os.environ.get("LOGIN_RATE_LIMIT", "10/minute"),
-        "MAX_CONNECTIONS_PER_IP": int(os.environ.get("MAX_CONNECTIONS_PER_IP", "50")),
+        "MAX_CONNECTIONS_PER_IP": optional_int("MAX_CONNECTIONS_PER_IP"),   # None: follows the workers' slots
         "OPERATOR_USERNAME": os.environ.get("OPERATOR_USERNAME", "operator"),
         "OPERATOR_PASSWORD": os.environ.get("OPERATOR_PASSWORD") or None,
         "OPERATOR_PASSWORD_HASH": os.environ.get("OPERATOR_PASSWORD_HASH") or None,
@@ -143,7 +149,7 @@ def load() -> dict:
         "SHOP_NAME": shop,
         "SYSTEM_PROMPT": system_prompt(shop),
         "MAX_MESSAGE_CHARS": int(os.environ.get("MAX_MESSAGE_CHARS", "4000")),
-        "QUEUE_LIMIT": int(os.environ.get("QUEUE_LIMIT", "200")),
+        "QUEUE_LIMIT": optional_int("QUEUE_LIMIT"),   # None: follows the workers' slots (webapp/capacity.py)
         "MAX_NEW_TOKENS": int(os.environ.get("MAX_NEW_TOKENS", "256")),
         "TEMPERATURE": float(os.environ.get("TEMPERATURE", "0.7")),
         "TOP_P": float(os.environ.get("TOP_P", "0.9")),

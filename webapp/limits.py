@@ -9,6 +9,7 @@ import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -129,23 +130,31 @@ def check(r: redis.Redis, checks: list[tuple[str, Rule | None]], what: str) -> s
 
 
 class ConnectionCounter:
-    """Open Socket.IO connections per client address, shared by all web processes through Redis."""
+    """Open Socket.IO connections per client address, shared by all web processes through Redis.
 
-    def __init__(self, r: redis.Redis, limit: int) -> None:
-        self.redis, self.limit = r, limit
+    `limit` is a number, or a function giving the current one (it follows the workers' capacity); 0 for none.
+    """
+
+    def __init__(self, r: redis.Redis, limit: int | Callable[[], int]) -> None:
+        self.redis, self._limit = r, limit
         self._mine: dict[str, str] = {}   # sid -> address, for this process's refresh loop
         self._lock = threading.Lock()
         self._refresher: threading.Thread | None = None
+
+    @property
+    def limit(self) -> int:
+        return self._limit() if callable(self._limit) else self._limit
 
     @staticmethod
     def key(address: str) -> str:
         return f"{PREFIX}connections:{address}"
 
     def acquire(self, address: str, sid: str) -> bool:
-        if self.limit <= 0:
+        limit = self.limit
+        if limit <= 0:
             return True
         try:
-            ok = bool(self.redis.eval(_CONNECT, 1, self.key(address), time.time(), CONNECTION_TTL_S, self.limit, sid))
+            ok = bool(self.redis.eval(_CONNECT, 1, self.key(address), time.time(), CONNECTION_TTL_S, limit, sid))
         except redis.RedisError as exc:
             log.warning("connection count not checked: %s", exc)
             return True
@@ -202,7 +211,8 @@ def init_app(app: Flask) -> None:
         per_session=parse_rule(cfg["RATE_LIMIT_PER_SESSION"], "RATE_LIMIT_PER_SESSION"),
         per_ip=parse_rule(cfg["RATE_LIMIT_PER_IP"], "RATE_LIMIT_PER_IP"),
         login=parse_rule(cfg["LOGIN_RATE_LIMIT"], "LOGIN_RATE_LIMIT"),
-        connections=ConnectionCounter(app.extensions["redis"], int(cfg["MAX_CONNECTIONS_PER_IP"])),
+        connections=ConnectionCounter(app.extensions["redis"], lambda: app.extensions["capacity"].connections_per_ip(
+            None if cfg["MAX_CONNECTIONS_PER_IP"] is None else int(cfg["MAX_CONNECTIONS_PER_IP"]))),
     )
 
 

@@ -19,6 +19,8 @@ from messaging.contract import (CANCEL_CHANNEL, GENERATE_TASK, JOB_TTL_S, QUEUE,
                                 final_key, job_key)
 from models import RequestRecord
 
+from . import capacity
+
 log = logging.getLogger(__name__)
 
 
@@ -45,7 +47,7 @@ def check_room() -> None:
     except redis.RedisError as exc:
         log.warning("Redis unavailable: %s", exc)
         raise unavailable() from exc
-    if depth >= current_app.config["QUEUE_LIMIT"]:
+    if depth >= capacity.queue_limit():
         raise UserError("queue_full", "The assistant is busy right now; please try again in a moment.",
                         retryable=True, status=429)
 

@@ -255,18 +255,33 @@ class WorkerRuntime:
                 pubsub.close()
 
     def _beat(self) -> None:
-        """A key with a short TTL: /readyz sees a live worker while it keeps being refreshed."""
+        """A key with a short TTL: /readyz sees a live worker while it keeps being refreshed, and the web app
+        sizes its queue and connection limits from the capacity it announces."""
+        announced = capacity(self.engine)
         while not self.stopped.is_set():
             stats = self.engine.stats()
             try:
                 self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
-                    "kv_usage": stats.kv_usage, "time": time.time()}), ex=HEARTBEAT_TTL_S)
+                    "kv_usage": stats.kv_usage, **announced, "time": time.time()}), ex=HEARTBEAT_TTL_S)
                 self.metrics.publish(self.redis, stats)
             except redis.RedisError as exc:
                 self.redis_failed_at = time.monotonic()
                 log.debug("no heartbeat this time: %s", exc)
             self.stopped.wait(2)
+
+
+def capacity(engine) -> dict:
+    """What this worker can hold at once: engine slots, KV-cache blocks (and their tokens and bytes), its device."""
+    config, runner = engine.config, getattr(engine, "runner", None)
+    blocks = getattr(runner, "num_blocks", None) or getattr(config, "num_blocks", None)
+    block_size = getattr(config, "block_size", None)
+    pool = getattr(runner, "kv", None)
+    tensors = pool if isinstance(pool, (list, tuple)) else [pool] if pool is not None else []
+    kv_bytes = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel")) or None
+    return {"slots": config.max_num_seqs, "device": str(getattr(engine, "device", "unknown")),
+            "kv_blocks": blocks, "kv_block_size": block_size,
+            "kv_tokens": blocks * block_size if blocks and block_size else None, "kv_bytes": kv_bytes}
 
 
 def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, completion_tokens: int,

@@ -132,3 +132,43 @@ def test_stack_bench_can_give_the_engine_cpus_of_its_own():
         Placement(set(cpus))
     with pytest.raises(SystemExit, match="may run on CPUs"):
         Placement({max(cpus) + 1})
+
+
+def test_stack_bench_burst_reports_refusals_instead_of_failing(stack):
+    """A burst against a web process whose queue counts as full: every refusal is counted, nothing crashes."""
+    from worker import stack_bench
+
+    url = stack.web_with(QUEUE_LIMIT="0")
+    figures = stack_bench.main(["--url", url, "--customers", "30", "--max-new-tokens", "2"])
+    assert figures["connected"] == 30 and figures["asked"] == 30 and figures["lost"] == 0
+    assert figures["refused"] == 30 and figures["error_codes"] == {"queue_full": 30}
+    assert figures["answered"] == 0 and figures["failed"] == 0 and figures["ttft_s"]["p50"] is None
+    assert figures["healthz"]["probes"] > 0
+    http = stack_bench.main(["--url", url, "--customers", "5", "--protocol", "http"])
+    assert http["refused"] == 5 and http["error_codes"] == {"queue_full": 5}
+
+
+def test_stack_bench_burst_answers_every_customer(stack):
+    from worker import stack_bench
+
+    figures = stack_bench.main(["--url", stack.web_urls[0], "--customers", "30", "--max-new-tokens", "2"])
+    assert (figures["answered"], figures["refused"], figures["failed"], figures["lost"]) == (30, 0, 0, 0)
+    assert figures["ttft_s"]["p50"] > 0 and figures["healthz"]["probes"] > 0
+
+
+def test_stack_bench_burst_over_http_answers_everyone(stack):
+    from worker import stack_bench
+
+    figures = stack_bench.main(["--url", stack.web_urls[0], "--customers", "20", "--protocol", "http",
+                                "--max-new-tokens", "2"])
+    assert (figures["answered"], figures["refused"], figures["failed"], figures["lost"]) == (20, 0, 0, 0)
+
+
+def test_stack_bench_ceiling_streams_synthetic_text_to_open_chats(tmp_path):
+    from worker import stack_bench
+
+    figures = stack_bench.main(["--ceiling", "--open", "40", "--streaming", "10", "--token-rate", "40",
+                                "--warmup", "1", "--duration", "3", "--json", str(tmp_path / "ceiling.json")])
+    assert figures["open"] == 40 and figures["streaming"] == 10 and figures["streaming_at_end"] == 10
+    assert figures["errors"] == [] and figures["delivered_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "ceiling.json").read_text())["mode"] == "ceiling"

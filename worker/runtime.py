@@ -77,8 +77,12 @@ class WorkerRuntime:
         s = self.settings
         config = EngineConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                               kv_cache_memory_gib=s.kv_cache_gib)
-        # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).
-        self.engine = LLMEngine.launch(lambda: LLMEngine(*load_model(s.model, s.device, s.dtype), config))
+        if s.synthetic_token_rate:   # benchmarks of the web tier only (worker/synthetic.py)
+            from worker.synthetic import SyntheticEngine
+            self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs)
+        else:
+            # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).
+            self.engine = LLMEngine.launch(lambda: LLMEngine(*load_model(s.model, s.device, s.dtype), config))
         self.model_name = getattr(self.engine.runner.model, "name_or_source", s.model or "default")
         self.redis = redis_client(s.redis_url)
         self.metrics = WorkerMetrics(s.name, self.model_name)

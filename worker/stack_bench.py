@@ -37,6 +37,9 @@ from worker.bench import DEFAULT_WORKLOAD
 from worker.local_redis import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
+# Error codes that mean "not taken": the customer was told to try again. Anything else is a failure.
+REFUSALS = ("queue_full", "queue_unavailable", "storage_unavailable", "rate_limited", "too_many_connections",
+            "http_429", "http_503")
 
 
 def workload(path: Path) -> list[dict]:
@@ -136,7 +139,8 @@ class Stack:
     """Redis, a Celery worker and a web app of its own, started once and kept up for every round."""
 
     def __init__(self, slots: int, workdir: Path, system_prompt: str, max_new_tokens: int,
-                 model_name: str | None = None, placement: Placement | None = None) -> None:
+                 model_name: str | None = None, placement: Placement | None = None, queue_limit: int = 1000,
+                 worker_env: dict[str, str] | None = None) -> None:
         placement = placement or Placement()
         self.redis_proc, redis_url = start_redis(workdir / "redis")
         placement.pin(self.redis_proc.pid, placement.rest)
@@ -144,14 +148,16 @@ class Stack:
         upgrade(self.db_url)
         port = free_port()
         env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": self.db_url, "MAX_NUM_SEQS": str(slots),
-               "PORT": str(port), "QUEUE_LIMIT": "1000", "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
+               "PORT": str(port), "QUEUE_LIMIT": str(queue_limit), "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
                "MAX_NEW_TOKENS": str(max_new_tokens),
                # Every customer here comes from one address: the abuse limits would measure themselves.
                "RATE_LIMIT_PER_SESSION": "off", "RATE_LIMIT_PER_IP": "off", "MAX_CONNECTIONS_PER_IP": "0"}
         env.pop("MODEL", None)
         if model_name:
             env["MODEL"] = model_name
-        worker_env = {**env, "OMP_NUM_THREADS": str(len(placement.engine))} if placement.pinned else env
+        worker_env = {**env, **(worker_env or {})}
+        if placement.pinned:
+            worker_env["OMP_NUM_THREADS"] = str(len(placement.engine))
         logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
@@ -177,9 +183,11 @@ class Stack:
         results, start = {}, time.time()
         if clients:
             for c in clients:
-                c.send(start)
+                if c.refused is None:
+                    c.send(start)
             for c in clients:
-                results[c.q["id"]] = c.wait()
+                results[c.q["id"]] = c.wait() if c.refused is None else {
+                    "ttft": None, "text": "", "request_id": None, "finished_at": start, "error": c.refused}
             _close_all(clients)
         else:
             threads = [threading.Thread(target=lambda q=q: results.__setitem__(
@@ -233,7 +241,12 @@ class _Customer:
         self.sio.on("token", self._token)
         self.sio.on("done", self._done)
         self.sio.on("error", self._error)
-        self.sio.connect(base, transports=["websocket"], wait_timeout=30)
+        self.refused: dict | None = None
+        try:
+            self.sio.connect(base, transports=["websocket"], wait_timeout=30)
+        except socketio.exceptions.ConnectionError as exc:   # reported as a refusal, not raised
+            self.refused = {"code": "too_many_connections" if "Too many" in str(exc) else "connection",
+                            "message": str(exc)[:200]}
 
     def send(self, start: float) -> None:
         self.start = start
@@ -261,7 +274,7 @@ class _Customer:
 
 def _close_all(clients: list[_Customer]) -> None:
     """After the clock stops: a client's disconnect waits for its reader thread, so close them side by side."""
-    threads = [threading.Thread(target=c.sio.disconnect) for c in clients]
+    threads = [threading.Thread(target=c.sio.disconnect) for c in clients if c.refused is None]
     for t in threads:
         t.start()
     for t in threads:
@@ -270,6 +283,8 @@ def _close_all(clients: list[_Customer]) -> None:
 
 def _socketio(base: str, q: dict, cap: int) -> dict:
     customer = _Customer(base, {**q, "cap": cap})
+    if customer.refused is not None:
+        return {"ttft": None, "text": "", "request_id": None, "finished_at": time.time(), "error": customer.refused}
     customer.send(time.time())
     try:
         return customer.wait()
@@ -282,13 +297,20 @@ def _post(base: str, q: dict, cap: int, start: float | None = None) -> dict:
     start = start or time.time()
     ttft, parts, request_id = None, [], None
     with requests.post(base + "/v1/chat/completions", json=body, stream=True, timeout=600) as response:
-        response.raise_for_status()
+        if response.status_code != 200:   # refused: reported, not raised
+            error = (response.json().get("error") or {}) if response.headers.get("content-type", "").startswith(
+                "application/json") else {}
+            return {"ttft": None, "text": "", "request_id": None, "finished_at": time.time(),
+                    "error": {"code": error.get("code") or f"http_{response.status_code}"}}
         for line in response.iter_lines():
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            if "error" in chunk:
+                return {"ttft": ttft, "text": "".join(parts), "request_id": request_id, "finished_at": time.time(),
+                        "error": {"code": chunk["error"].get("code")}}
             request_id = chunk["id"].removeprefix("chatcmpl-")
-            text = chunk["choices"][0]["delta"].get("content")
+            text = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
             if text:
                 ttft = ttft or time.time() - start
                 parts.append(text)
@@ -305,16 +327,206 @@ def batch_full_s(admitted: list[float], slots: int) -> float:
     return ordered[min(slots, len(ordered)) - 1] if ordered else float("nan")
 
 
+def median(values: list[float | None]) -> float:
+    """The median of the values there are: a refused or failed request has no TTFT; nan when none has one."""
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else float("nan")
+
+
+def error_codes(results: list[dict]) -> dict[str, int]:
+    codes: dict[str, int] = {}
+    for r in results:
+        if r.get("error"):
+            code = r["error"].get("code", "unknown") if isinstance(r["error"], dict) else str(r["error"])
+            codes[code] = codes.get(code, 0) + 1
+    return codes
+
+
 def summarize(direct: dict, stack: dict, slots: int) -> dict:
+    codes = error_codes(stack["results"])
     return {"engine_batch_full_s": batch_full_s(direct["admitted"], slots),
             "stack_batch_full_s": batch_full_s(stack["admitted"], slots),
             "engine_tok_s": direct["tokens"] / direct["wall_s"], "stack_tok_s": stack["tokens"] / stack["wall_s"],
-            "engine_ttft_p50_s": statistics.median(direct["ttft"]), "stack_ttft_p50_s": statistics.median(stack["ttft"]),
+            "engine_ttft_p50_s": median(direct["ttft"]), "stack_ttft_p50_s": median(stack["ttft"]),
             "engine_wall_s": direct["wall_s"], "stack_wall_s": stack["wall_s"],
             "keep_ratio": (stack["tokens"] / stack["wall_s"]) / (direct["tokens"] / direct["wall_s"]),
-            "added_ttft_p50_s": statistics.median(stack["ttft"]) - statistics.median(direct["ttft"]),
+            "added_ttft_p50_s": median(stack["ttft"]) - median(direct["ttft"]),
             "identical": sum(stack["texts"].get(k) == v for k, v in direct["texts"].items()),
-            "errors": sum(1 for r in stack["results"] if r.get("error"))}
+            "errors": sum(codes.values()), "error_codes": codes,
+            "refused": sum(n for code, n in codes.items() if code in REFUSALS)}
+
+
+# ---- crowds: a burst of customers, idle connections, the delivery ceiling (worker/crowd.py) -------------------
+
+def web_server_pids(master_pid: int) -> list[int]:
+    """The web process: gunicorn's master and the worker that holds the connections."""
+    import psutil
+
+    master = psutil.Process(master_pid)
+    return [master_pid, *(c.pid for c in master.children())]
+
+
+def rss_mb(pids: list[int]) -> float:
+    import psutil
+
+    return sum(psutil.Process(pid).memory_info().rss for pid in pids) / 2**20
+
+
+def run_crowd(url: str, customers: int, mode: str, procs: int = 1, protocol: str = "socketio",
+              extra: list[str] | None = None, when_connected=None) -> list[dict]:
+    """`customers` split over `procs` client processes; once all are connected they act at the same moment."""
+    sizes = [customers // procs + (i < customers % procs) for i in range(procs)]
+    children = [subprocess.Popen([sys.executable, "-m", "worker.crowd", "--url", url, "--customers", str(n),
+                                  "--mode", mode, "--protocol", protocol, *(extra or [])],
+                                 cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                for n in sizes if n]
+    try:
+        for child in children:
+            line = child.stdout.readline()
+            if not line.startswith("connected"):
+                raise RuntimeError(f"a client process failed before connecting: {line!r}")
+            print(f"client process {child.pid}: {line.strip()}", flush=True)
+        if when_connected is not None:
+            when_connected()
+        for child in children:
+            child.stdin.write("go\n")
+            child.stdin.flush()
+        return [json.loads(child.stdout.readline()) for child in children]
+    finally:
+        for child in children:
+            try:
+                child.wait(60)
+            except subprocess.TimeoutExpired:
+                child.kill()
+
+
+def percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    if not ordered:
+        return {"p50": None, "p90": None, "p99": None, "max": None}
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]   # noqa: E731
+    return {"p50": pick(0.5), "p90": pick(0.9), "p99": pick(0.99), "max": ordered[-1]}
+
+
+def merge_health(outs: list[dict]) -> dict:
+    h = [o["health"] for o in outs]
+    return {"probes": sum(x["probes"] for x in h), "failures": sum(x["failures"] for x in h),
+            "max_s": max((x["max_s"] or 0) for x in h), "over_1s": sum(x["over_1s"] for x in h)}
+
+
+def burst_figures(outs: list[dict]) -> dict:
+    """Every customer asked once at the same moment: who was answered, refused (retryable), failed or lost."""
+    results = [r | {"go": o["go"]} for o in outs for r in o["results"]]
+    codes = error_codes(results)
+    answered = [r for r in results if r["ended_at"] and not r["error"]]
+    return {"customers": sum(o["customers"] for o in outs), "connected": sum(o["connected"] for o in outs),
+            "refused_connections": sum(o["refused_connection_count"] for o in outs),
+            "asked": len(results), "accepted": sum(1 for r in results if r["accepted_at"]),
+            "answered": len(answered), "refused": sum(n for c, n in codes.items() if c in REFUSALS),
+            "failed": sum(n for c, n in codes.items() if c not in REFUSALS), "error_codes": codes,
+            "lost": sum(1 for r in results if r["ended_at"] is None),
+            "ttft_s": percentiles([r["first_at"] - r["go"] for r in answered if r["first_at"]]),
+            "e2e_s": percentiles([r["ended_at"] - r["go"] for r in answered]),
+            "accepted_s": percentiles([r["accepted_at"] - r["go"] for r in results if r["accepted_at"]]),
+            "healthz": merge_health(outs)}
+
+
+def print_burst(fig: dict, protocol: str) -> None:
+    t, e, a, h = fig["ttft_s"], fig["e2e_s"], fig["accepted_s"], fig["healthz"]
+    print(f"burst of {fig['customers']} {protocol} customers: {fig['connected']} connected, {fig['asked']} asked at "
+          f"once; {fig['accepted']} accepted, {fig['answered']} answered, {fig['refused']} refused, "
+          f"{fig['failed']} failed, {fig['lost']} without an answer {fig['error_codes'] or ''}")
+    if t["p50"] is not None:
+        print(f"  accepted p50/p99 {a['p50']:.2f}/{a['p99']:.2f} s; first text p50/p90/p99 {t['p50']:.2f}/{t['p90']:.2f}/"
+              f"{t['p99']:.2f} s; last answer {e['max']:.1f} s after the burst")
+    print(f"  /healthz: {h['probes']} probes, slowest {h['max_s']:.3f} s, {h['over_1s']} over 1 s, "
+          f"{h['failures']} failed")
+
+
+def crowd_main(args) -> dict:
+    """--customers, --idle and --ceiling: against --url, or a stack of its own."""
+    from worker.synthetic import SYNTHETIC_TOKEN
+
+    if args.ceiling:   # every streaming chat keeps streaming past the measured window
+        args.max_new_tokens = int(args.token_rate * (args.warmup + args.duration + 15))
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = None
+        url, web_pid = args.url, args.web_pid
+        if url is None:
+            workdir = args.workdir or Path(tmp)
+            workdir.mkdir(parents=True, exist_ok=True)
+            wanted = args.customers or args.idle or args.open
+            worker_env = {"SYNTHETIC_TOKEN_RATE": str(args.token_rate), "MAX_NUM_SEQS": str(max(args.streaming, 16))} \
+                if args.ceiling else None
+            stack = Stack(max(args.streaming, args.slots) if args.ceiling else args.slots, workdir,
+                          "You are a helpful shop assistant.", max(args.max_new_tokens, 64), args.model,
+                          queue_limit=max(1000, 2 * wanted), worker_env=worker_env)
+            url, web_pid = stack.base, stack.procs[1].pid
+        try:
+            pids = web_server_pids(web_pid) if web_pid else []
+            if args.customers:
+                outs = run_crowd(url, args.customers, "burst", args.client_procs, args.protocol,
+                                 ["--max-new-tokens", str(args.max_new_tokens)])
+                figures = {"mode": "burst", "protocol": args.protocol, **burst_figures(outs)}
+                print_burst(figures, args.protocol)
+            elif args.idle:
+                before = rss_mb(pids) if pids else None
+                held: dict = {}
+
+                def measure() -> None:
+                    time.sleep(2)
+                    held["rss_mb"] = rss_mb(pids) if pids else None
+
+                outs = run_crowd(url, args.idle, "idle", args.client_procs,
+                                 extra=["--duration", "5"], when_connected=measure)
+                connected = sum(o["connected"] for o in outs)
+                figures = {"mode": "idle", "connections": connected, "still_open": sum(o["still_open"] for o in outs),
+                           "web_rss_mb_before": before, "web_rss_mb_held": held.get("rss_mb")}
+                if before is not None:
+                    figures["kb_per_connection"] = (held["rss_mb"] - before) * 1024 / max(1, connected)
+                    print(f"one web process holds {connected} idle chat connections "
+                          f"({figures['still_open']} still open after 5 s): RSS {before:.0f} MB before, "
+                          f"{held['rss_mb']:.0f} MB with them, {figures['kb_per_connection']:.0f} KB per connection")
+                else:
+                    print(f"{connected} idle chat connections held; pass --web-pid to measure the server's memory")
+            else:
+                cpu_before = _cpu_times(pids)
+                outs = run_crowd(url, args.open, "stream", args.client_procs,
+                                 extra=["--askers", str(args.streaming // args.client_procs), "--max-new-tokens",
+                                        str(args.max_new_tokens), "--duration", str(args.duration),
+                                        "--warmup", str(args.warmup)])
+                cpu = _cpu_times(pids) - cpu_before if pids else None
+                chars = sum(o["chars"] for o in outs)
+                window = max(o["window_s"] for o in outs)
+                tokens_s = chars / len(SYNTHETIC_TOKEN) / window
+                figures = {"mode": "ceiling", "open": sum(o["connected"] for o in outs),
+                           "streaming": sum(o["asked"] for o in outs), "offered_tokens_per_s_per_chat": args.token_rate,
+                           "offered_tokens_per_s": args.token_rate * sum(o["asked"] for o in outs),
+                           "delivered_tokens_per_s": tokens_s, "window_s": window,
+                           "streaming_at_end": sum(o["streaming_at_end"] for o in outs),
+                           "errors": [e for o in outs for e in o["errors"]], "healthz": merge_health(outs),
+                           "web_cpu_s": cpu}
+                print(f"delivery ceiling: {figures['open']} chats open, {figures['streaming']} streaming at "
+                      f"{args.token_rate:.0f} tokens/s each (offered {figures['offered_tokens_per_s']:.0f} tokens/s): "
+                      f"delivered {tokens_s:.0f} tokens/s over {window:.0f} s; web process CPU "
+                      f"{(cpu or 0) / (args.duration + args.warmup) * 100:.0f}% of a core; /healthz slowest "
+                      f"{figures['healthz']['max_s']:.3f} s")
+        finally:
+            if stack is not None:
+                stack.close()
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=2))
+    return figures
+
+
+def _cpu_times(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -333,7 +545,30 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the stack's logs, database and Redis files here (default: a temporary folder)")
+    crowd = parser.add_argument_group("crowds", "instead of the workload: many customers from worker/crowd.py")
+    crowd.add_argument("--customers", type=int, default=0,
+                       help="burst: this many customers connect, then each asks once, all at the same moment")
+    crowd.add_argument("--max-new-tokens", type=int, default=8, help="the answers' length in --customers and "
+                                                                        "--ceiling")
+    crowd.add_argument("--idle", type=int, default=0,
+                       help="hold this many idle chat connections on one web process and report its memory")
+    crowd.add_argument("--ceiling", action="store_true",
+                       help="the delivery ceiling: --open chats, --streaming of them answered by a synthetic token "
+                            "source at --token-rate tokens/s each (its own stack only; never the real engine)")
+    crowd.add_argument("--open", type=int, default=1000)
+    crowd.add_argument("--streaming", type=int, default=256)
+    crowd.add_argument("--token-rate", type=float, default=100.0, help="tokens/s per streaming chat")
+    crowd.add_argument("--duration", type=float, default=20.0, help="--ceiling: seconds measured")
+    crowd.add_argument("--warmup", type=float, default=5.0)
+    crowd.add_argument("--client-procs", type=int, default=1, help="client processes the customers are spread over")
+    crowd.add_argument("--url", default=None, help="a running deployment (e.g. `make run`) instead of a stack of its "
+                                                   "own; --web-pid PID of its web server to report memory and CPU")
+    crowd.add_argument("--web-pid", type=int, default=None)
     args = parser.parse_args(argv)
+    if args.customers or args.idle or args.ceiling:
+        if args.ceiling and args.url:
+            parser.error("--ceiling starts its own stack with a synthetic worker; it does not take --url")
+        return crowd_main(args)
     reqs = workload(args.workload)[:args.limit]
     alone_cap = 8   # TTFT is what is measured one at a time; short answers keep that part quick
     with tempfile.TemporaryDirectory() as tmp:
@@ -375,11 +610,16 @@ def main(argv: list[str] | None = None) -> dict:
                               "stack_ttft_p50_s", "engine_wall_s", "stack_wall_s", "engine_batch_full_s",
                               "stack_batch_full_s")}}
     if args.alone:
-        figures.update(alone_requests=args.alone, alone_engine_ttft_p50_s=statistics.median(alone_direct),
-                       alone_stack_ttft_p50_s=statistics.median(alone_stack),
-                       alone_added_ttft_p50_s=statistics.median(alone_stack) - statistics.median(alone_direct))
+        figures.update(alone_requests=args.alone, alone_engine_ttft_p50_s=median(alone_direct),
+                       alone_stack_ttft_p50_s=median(alone_stack),
+                       alone_added_ttft_p50_s=median(alone_stack) - median(alone_direct))
     if figures["errors"]:
-        print(f"{figures['errors']} requests failed through the stack")
+        codes: dict[str, int] = {}
+        for r in rounds:
+            for code, n in r["error_codes"].items():
+                codes[code] = codes.get(code, 0) + n
+        print(f"{figures['errors']} requests got an error through the stack: "
+              + ", ".join(f"{n} {code}" for code, n in sorted(codes.items())))
     print(f"median of {args.rounds} rounds: the stack keeps {figures['keep_ratio']:.0%} of the engine's tokens/s and "
           f"adds {figures['added_ttft_p50_s'] * 1000:+.0f} ms to TTFT p50; "
           f"{figures['identical']}/{len(reqs)} answers identical in every round")

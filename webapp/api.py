@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
+from typing import NamedTuple
 
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
@@ -200,6 +201,38 @@ def parse_params(body: dict) -> dict:
 
 @bp.post("/chat/completions")
 def chat_completions():
+    with queue.intake():   # taking the request in; its answer streams outside the gate
+        taken = take_request()
+    if not isinstance(taken, Taken):
+        return taken   # the error response
+    job, events, model, stream, options = taken
+    if stream:
+        body = sse(job, events, model, options.get("include_usage", False))
+        return Response(stream_with_context(body), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    text, final = [], None
+    for event in events:
+        if event["event"] == "token":
+            text.append(event["text"])
+        else:
+            final = event
+    if final is None or final["event"] == "error":
+        return error_response(UserError(final["code"] if final else "timeout",
+                                        final["message"] if final else "The answer did not arrive; retry.",
+                                        retryable=True, status=400 if final and not final["retryable"] else 503))
+    return completion(job, model, "".join(text), final)
+
+
+class Taken(NamedTuple):
+    job: dict
+    events: Iterator[dict]
+    model: str
+    stream: bool
+    options: dict
+
+
+def take_request():
+    """Check, store and queue a completion request; its Taken, or the error response."""
     try:
         # Counted before the body is read, so floods of malformed requests are throttled too.
         limits.limit_message(api_session())
@@ -225,21 +258,7 @@ def chat_completions():
         queue.send(job)
     except UserError as exc:
         return error_response(exc)
-    if stream:
-        body = sse(job, events, model, options.get("include_usage", False))
-        return Response(stream_with_context(body), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text, final = [], None
-    for event in events:
-        if event["event"] == "token":
-            text.append(event["text"])
-        else:
-            final = event
-    if final is None or final["event"] == "error":
-        return error_response(UserError(final["code"] if final else "timeout",
-                                        final["message"] if final else "The answer did not arrive; retry.",
-                                        retryable=True, status=400 if final and not final["retryable"] else 503))
-    return completion(job, model, "".join(text), final)
+    return Taken(job, events, model, stream, options)
 
 
 def subscribe(job: dict) -> Iterator[dict]:

@@ -138,6 +138,11 @@ def on_join(payload=None):
 def on_chat_message(payload=None):
     # Taken first: concurrent messages wait on the database in no fair order, but are answered in this one.
     received_at = time.time()
+    with queue.intake():
+        take_message(payload, received_at)
+
+
+def take_message(payload: object, received_at: float) -> None:
     try:
         # Counted before anything else, so a flood of malformed messages is throttled too.
         limits.limit_message(owner_id())

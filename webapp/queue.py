@@ -6,6 +6,7 @@ import json
 import logging
 import queue
 import secrets
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -34,6 +35,16 @@ class UserError(Exception):
 
 # While silent this long, an API listener looks for a final event it may have missed.
 FINAL_CHECK_S = 3.0
+# Messages taken in (checked, stored, queued) at once by one web process; the rest of a burst waits its turn,
+# in arrival order, without a refusal. A thousand messages at once would otherwise each get a slice of the
+# process in turn, and everything else it serves (/healthz, streaming answers) would wait behind them all.
+INTAKE_CONCURRENCY = 16
+_intake = threading.BoundedSemaphore(INTAKE_CONCURRENCY)   # gevent's semaphore under the gevent worker
+
+
+def intake() -> threading.BoundedSemaphore:
+    """Hold while a message is checked, stored and queued."""
+    return _intake
 
 
 def unavailable() -> UserError:

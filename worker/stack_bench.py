@@ -466,7 +466,7 @@ def crowd_main(args) -> dict:
             pids = web_server_pids(web_pid) if web_pid else []
             if args.customers:
                 outs = run_crowd(url, args.customers, "burst", args.client_procs, args.protocol,
-                                 ["--max-new-tokens", str(args.max_new_tokens)])
+                                 ["--max-new-tokens", str(args.max_new_tokens), "--timeout", str(args.timeout)])
                 figures = {"mode": "burst", "protocol": args.protocol, **burst_figures(outs)}
                 print_burst(figures, args.protocol)
             elif args.idle:
@@ -561,6 +561,8 @@ def main(argv: list[str] | None = None) -> dict:
     crowd.add_argument("--duration", type=float, default=20.0, help="--ceiling: seconds measured")
     crowd.add_argument("--warmup", type=float, default=5.0)
     crowd.add_argument("--client-procs", type=int, default=1, help="client processes the customers are spread over")
+    crowd.add_argument("--timeout", type=float, default=1800,
+                       help="--customers: seconds to wait for every answer (a slow engine works through the queue)")
     crowd.add_argument("--url", default=None, help="a running deployment (e.g. `make run`) instead of a stack of its "
                                                    "own; --web-pid PID of its web server to report memory and CPU")
     crowd.add_argument("--web-pid", type=int, default=None)

@@ -22,7 +22,8 @@ def cancelled_key(request_id: str) -> str:
 
 
 def events_channel(request_id: str) -> str:
-    """The pub/sub channel of one API request's events."""
+    """Names an API request's events in its job (`channel`): a job that has one is awaited by an HTTP client,
+    and its events on STREAM_CHANNEL say so."""
     return f"supportbot:events:{request_id}"
 
 

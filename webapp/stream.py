@@ -8,15 +8,13 @@ thousand streaming HTTP requests share that one subscription instead of holding 
 
 from __future__ import annotations
 
-import logging
 import queue
+
 import socketio
 
 from messaging.connections import SocketIOQueue
 from messaging.contract import STREAM_CHANNEL
 from messaging.stream import decode_batch
-
-log = logging.getLogger(__name__)
 
 
 class StreamQueue(SocketIOQueue):

@@ -106,3 +106,27 @@ def test_many_requests_and_steps_lose_nothing_and_keep_order(r):
     assert texts == {rid: expected for rid in ids}
     assert len(messages) < 50, "steps were not coalesced"
     assert json.loads(r.get(streamed_key("r0"))) == len(expected)
+
+
+def test_the_web_process_sends_the_same_packet_socketio_would():
+    """The stream's events go to sockets as python-socketio's own emit would encode them."""
+    from engineio import packet as eio_packet
+    from socketio import packet as sio_packet
+
+    from webapp.stream import StreamQueue
+
+    sent = []
+
+    class Server:
+        def _send_eio_packet(self, eio_sid, pkt):
+            sent.append((eio_sid, pkt.encode()))
+
+    stream = StreamQueue("redis://127.0.0.1:1/0")
+    stream.server = Server()
+    stream.rooms = {"/": {"conv": {"sid1": "eio1", "sid2": "eio2"}}}
+    stream.get_participants = lambda namespace, room: list(stream.rooms[namespace][room].items())
+    data = {"request_id": "r", "text": "Hé \"quoted\" </script>", "offset": 3}
+    stream.emit_here("token", data, "conv")
+    expected = eio_packet.Packet(eio_packet.MESSAGE,
+                                 sio_packet.Packet(sio_packet.EVENT, namespace="/", data=["token", data]).encode())
+    assert sent == [("eio1", expected.encode()), ("eio2", expected.encode())]

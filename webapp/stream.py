@@ -8,9 +8,11 @@ thousand streaming HTTP requests share that one subscription instead of holding 
 
 from __future__ import annotations
 
+import json
 import queue
 
-import socketio
+from engineio import packet as eio_packet
+from socketio import packet as sio_packet
 
 from messaging.connections import SocketIOQueue
 from messaging.contract import STREAM_CHANNEL
@@ -41,10 +43,19 @@ class StreamQueue(SocketIOQueue):
         self.waiters.pop(request_id, None)
 
     def on_message(self, channel: str, data: bytes) -> None:
-        emit = socketio.Manager.emit   # this process's rooms only: the stream already reached every process
+        """Each event to this process's members of its room, and to its HTTP request if it waits here."""
         rooms = self.rooms.get("/", {})
         for event in decode_batch(data):
             if event.room is not None and event.room in rooms:
-                emit(self, event.name, event.data, namespace="/", room=event.room)
+                self.emit_here(event.name, event.data, event.room)
             if event.api and (waiter := self.waiters.get(event.data["request_id"])) is not None:
                 waiter.put({"event": event.name, **event.data})
+
+    def emit_here(self, name: str, data: dict, room: str) -> None:
+        """What `emit(name, data, room=room)` sends to this process's sockets in the room, with less work per
+        event: the Socket.IO event packet (type 2, default namespace, no ack id) is written once, as JSON text
+        with no binary parts to look for, and handed to each socket as it is."""
+        text = str(sio_packet.EVENT) + json.dumps([name, data], separators=(",", ":"))
+        pkt = eio_packet.Packet(eio_packet.MESSAGE, text)
+        for _, eio_sid in self.get_participants("/", room):
+            self.server._send_eio_packet(eio_sid, pkt)

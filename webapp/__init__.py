@@ -44,7 +44,8 @@ def create_app(overrides: dict | None = None) -> Flask:
     config.check_production(app.config)
     app.extensions["redis"] = redis_client(app.config["REDIS_URL"])
     app.extensions["capacity"] = Capacity(app.extensions["redis"])
-    app.extensions["celery"] = make_celery(app.config["REDIS_URL"])
+    # A publisher per message taken in at once (queue.INTAKE_CONCURRENCY), and a few to spare: none waits for one.
+    app.extensions["celery"] = make_celery(app.config["REDIS_URL"], broker_pool_limit=32)
     app.extensions["db"] = make_session_factory(make_engine(app.config["DATABASE_URL"]))
     # Every web process listens on the same Redis channels, so any worker's answers reach any of them.
     stream = app.extensions["stream"] = StreamQueue(app.config["REDIS_URL"])

@@ -45,7 +45,7 @@ def tokenizer():
 def tiny_model_dirs(tmp_path_factory, tokenizer):
     """One saved tiny model per architecture, built once per session."""
     root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: make_tiny_model_dir(root / arch, tokenizer, arch) for arch in ("llama", "qwen2", "gpt2")}
+    return {arch: make_tiny_model_dir(root / arch, tokenizer, arch) for arch in ("llama", "qwen2", "qwen3", "gpt2")}
 
 
 @pytest.fixture(scope="session")

@@ -91,7 +91,7 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
     assert engine.stats().kv_blocks_used == 0
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gpt2"])
 def test_greedy_matches_generate_on_other_architectures(arch, tiny_model_dirs):
     model, tok = load_model(str(tiny_model_dirs[arch]))
     ref = load_model(str(tiny_model_dirs[arch]))[0]

@@ -34,8 +34,10 @@ def test_bench_writes_full_schema_and_plot(tiny_dir, tmp_path):
 
     data = json.loads(out_json.read_text())
     assert data == json.loads(json.dumps(result))
-    assert set(data) == {"slots", "device", "dtype", "model", "methods"}
+    assert set(data) == {"slots", "device", "dtype", "model", "workload", "methods", "transformers_cb"}
     assert data["slots"] == 2 and data["device"] == "cpu" and data["dtype"] == "float32"
+    assert data["workload"] == "workload.json"
+    assert data["transformers_cb"]["attn"] == "sdpa" and data["transformers_cb"]["use_cuda_graph"] is False
     assert set(data["methods"]) == {*bench.METHODS, "engine_dense"}
     for name, metrics in data["methods"].items():
         assert set(metrics) == set(METRIC_TYPES), name
@@ -62,6 +64,87 @@ def test_skip_leaves_methods_out_and_reference_off(tiny_dir, tmp_path):
     methods = json.loads(out_json.read_text())["methods"]
     assert set(methods) == {"static"}
     assert methods["static"]["greedy_matches"] is None
+
+
+TINY_RANDOM_CONFIG = {"model_type": "qwen3", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                      "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                      "max_position_embeddings": 128, "tie_word_embeddings": True}
+
+
+@pytest.fixture()
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(TINY_RANDOM_CONFIG))
+    return path
+
+
+def test_nano_workload_has_nano_vllms_shape():
+    requests = bench.nano_workload()
+    assert len(requests) == 256 and len({r.id for r in requests}) == 256
+    prompt_lengths = [len(r.prompt_ids) for r in requests]
+    caps = [r.cap for r in requests]
+    for lengths in (prompt_lengths, caps):
+        assert 100 <= min(lengths) and max(lengths) <= 1024
+        assert max(lengths) - min(lengths) > 800, "lengths should spread over the whole range"
+    ids = [t for r in requests for t in r.prompt_ids]
+    assert min(ids) >= 0 and max(ids) <= 10000 and len(set(ids)) > 9000
+    again = bench.nano_workload()
+    assert [(r.prompt_ids, r.cap) for r in again] == [(r.prompt_ids, r.cap) for r in requests]
+    small = bench.nano_workload(3, (8, 16))
+    assert len(small) == 3 and all(8 <= len(r.prompt_ids) <= 16 and 8 <= r.cap <= 16 for r in small)
+
+
+def test_nano_on_random_weights_runs_every_method_to_its_cap(tiny_config, tmp_path):
+    out_json = tmp_path / "nano.json"
+    result = bench.main(["--workload", "nano", "--requests", "3", "--nano-lengths", "8,16", "--random-weights",
+                         str(tiny_config.parent), "--device", "cpu", "--slots", "2", "--json", str(out_json)])
+    caps = sum(r.cap for r in bench.nano_workload(3, (8, 16)))
+    assert result["model"].startswith("random:") and result["workload"] == "nano"
+    assert set(result["methods"]) == set(bench.METHODS)
+    for name, metrics in result["methods"].items():
+        # ignore_eos: every method generates exactly the caps, whatever random tokens come out.
+        assert round(metrics["tokens_per_s"] * metrics["wall_s"]) == caps, name
+        assert metrics["greedy_matches"] is None, "sampled runs have no greedy reference"
+        assert metrics["requests"] == 3
+    assert result["transformers_cb"]["attn"] == "sdpa"
+    assert json.loads(out_json.read_text())["methods"].keys() == result["methods"].keys()
+
+
+def test_step_profile_times_decode_steps_against_operator_time(tiny_config):
+    result = bench.main(["--workload", "nano", "--requests", "2", "--nano-lengths", "8,16", "--random-weights",
+                         str(tiny_config), "--device", "cpu", "--step-profile", "2,3", "--profile-steps", "2"])
+    rows = result["step_profile"]
+    assert [(r["seqs"], r["sampling"]) for r in rows] == [(2, "greedy"), (2, "sampled"), (3, "greedy"), (3, "sampled")]
+    for row in rows:
+        assert row["busy_kind"] == "cpu_ops" and row["steps"] == 2
+        assert row["wall_ms"] > 0 and row["busy_ms"] > 0 and row["wall_over_busy"] > 0
+
+
+def test_random_weights_resolve_paths_directories_and_builtin_shapes(tiny_config):
+    from transformers import AutoConfig
+
+    from worker.model_loader import ModelLoadError
+    from worker.random_model import builtin_configs, resolve_config
+
+    assert resolve_config(str(tiny_config)) == resolve_config(str(tiny_config.parent)) == tiny_config
+    assert {"qwen3-0.6b", "smollm2-135m"} <= set(builtin_configs())
+    settings = json.loads(resolve_config("qwen3-0.6b").read_text())
+    config = AutoConfig.for_model(settings.pop("model_type"), **settings)
+    assert (config.num_hidden_layers, config.hidden_size, config.head_dim) == (28, 1024, 128)
+    with pytest.raises(ModelLoadError, match="built-in: .*qwen3-0.6b"):
+        resolve_config("no-such-shape")
+
+
+def test_workload_names_and_nano_options_are_checked():
+    path = bench.resolve_workload("workload-256")
+    assert len(json.loads(path.read_text())["requests"]) == 256
+    with pytest.raises(SystemExit, match="workload-256"):
+        bench.resolve_workload("no-such-workload")
+    for argv in (["--requests", "8"], ["--workload", "nano", "--nano-lengths", "9,3"],
+                 ["--workload", "nano", "--step-profile", "0"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
 
 
 def test_unknown_skip_is_rejected():

@@ -1,4 +1,4 @@
-"""Benchmark static batching, transformers continuous batching and the worker engine on the support workload."""
+"""Benchmark static batching, transformers continuous batching and the worker engine on a workload."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import math
 import os
 import platform
+import random
 import sys
 import threading
 import time
@@ -26,7 +27,14 @@ from worker.model_loader import load_model
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_WORKLOAD = REPO_ROOT.parent / "shared" / "bench" / "workload.json"
 # The same workload ships in the repo for checkouts without the shared folder beside them.
-DEFAULT_WORKLOAD = SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else REPO_ROOT / "worker" / "data" / "workload.json"
+DATA_DIR = REPO_ROOT / "worker" / "data"
+DEFAULT_WORKLOAD = SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else DATA_DIR / "workload.json"
+# nano-vllm's benchmark shape: random token ids, lengths uniform in 100..1024, ignore_eos, temperature 0.6.
+NANO = "nano"
+NANO_REQUESTS = 256
+NANO_LENGTHS = (100, 1024)
+NANO_MAX_TOKEN_ID = 10000
+NANO_TEMPERATURE = 0.6
 METHODS = ("static", "transformers_cb", "engine", "engine_best")
 SKIPPABLE = (*METHODS, "reference")
 ENGINE_BUDGET = 512
@@ -35,7 +43,9 @@ BEST_SLOTS_CAP = 64
 ENGINE_BLOCK_SIZE = 16
 CB_ATTN_CHOICES = ("sdpa", "paged|eager")
 # On 2 CPU cores with SmolLM2-135M in float32, sdpa gave 3-15 % more tokens/s than paged|eager (4 and 16 slots).
+# On CUDA transformers itself switches sdpa to flash attention when a flash kernel is installed.
 DEFAULT_CB_ATTN = "sdpa"
+STEP_SAMPLINGS = ("greedy", "sampled")
 RSS_INTERVAL_S = 0.02
 COLORS = {"static": "#888888", "transformers_cb": "#4c72b0", "engine": "#dd8452", "engine_best": "#55a868",
           "engine_dense": "#c44e52"}
@@ -74,6 +84,13 @@ class Setup:
     requests: list[Request]
     eos_ids: set[int]
     pad_id: int
+    temperature: float = 0.0      # 0: greedy, checked against sequential generate
+    ignore_eos: bool = False      # every request runs to its cap
+
+    @property
+    def stop_ids(self) -> set[int]:
+        """The tokens that end a completion when outputs are cut for comparison."""
+        return set() if self.ignore_eos else self.eos_ids
 
 
 # ---------------------------------------------------------------- workload
@@ -89,6 +106,24 @@ def load_workload(path: Path, tokenizer, limit: int | None) -> list[Request]:
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         requests.append(Request(str(item["id"]), list(ids), int(item["max_new_tokens"])))
     return requests
+
+
+def nano_workload(n: int = NANO_REQUESTS, lengths: tuple[int, int] = NANO_LENGTHS, seed: int = 0) -> list[Request]:
+    """nano-vllm's bench.py drawn the same way: all prompts first, then all output lengths, from one seeded RNG."""
+    low, high = lengths
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, NANO_MAX_TOKEN_ID) for _ in range(rng.randint(low, high))] for _ in range(n)]
+    caps = [rng.randint(low, high) for _ in range(n)]
+    return [Request(str(i), ids, cap) for i, (ids, cap) in enumerate(zip(prompts, caps))]
+
+
+def resolve_workload(value: str) -> Path:
+    """A workload file: a path, or a name shipped in worker/data (e.g. `workload-256`)."""
+    for path in (Path(value), DATA_DIR / value, DATA_DIR / f"{value}.json"):
+        if path.is_file():
+            return path
+    shipped = ", ".join(sorted(p.stem for p in DATA_DIR.glob("workload*.json")))
+    raise SystemExit(f"--workload {value!r}: no such file; give a path, {NANO!r} or one of: {shipped}")
 
 
 def eos_ids_of(model, tokenizer) -> set[int]:
@@ -220,6 +255,16 @@ def greedy_config(model, max_new_tokens: int, pad_id: int):
     return config
 
 
+def workload_config(setup: Setup, max_new_tokens: int):
+    """Greedy, or plain temperature sampling (no top-k/top-p) as the workload asks; no EOS when it is ignored."""
+    config = greedy_config(setup.model, max_new_tokens, setup.pad_id)
+    if setup.temperature > 0:
+        config.do_sample, config.temperature, config.top_k = True, setup.temperature, 0
+    if setup.ignore_eos:
+        config.eos_token_id = None
+    return config
+
+
 @torch.inference_mode()
 def generate_batch(setup: Setup, batch: list[Request], streamer=None) -> list[list[int]]:
     """One left-padded model.generate call over the batch, greedy up to the batch's largest cap."""
@@ -227,7 +272,7 @@ def generate_batch(setup: Setup, batch: list[Request], streamer=None) -> list[li
     encoded = tokenizer.pad({"input_ids": [r.prompt_ids for r in batch]}, padding_side="left", return_tensors="pt")
     input_ids = encoded["input_ids"].to(model.device)
     attention_mask = encoded["attention_mask"].to(model.device)
-    config = greedy_config(model, max(r.cap for r in batch), setup.pad_id)
+    config = workload_config(setup, max(r.cap for r in batch))
     out = model.generate(input_ids=input_ids, attention_mask=attention_mask, generation_config=config,
                          streamer=streamer)
     return out[:, input_ids.shape[1]:].tolist()
@@ -259,7 +304,7 @@ def run_static(setup: Setup, slots: int) -> Run:
             end = time.time()
             ttft = clock.first_token_time - start if clock.first_token_time else None
             for request, ids in zip(wave, outputs):
-                completions[request.id] = Completion(cut(ids, request.cap, setup.eos_ids), end - start, ttft)
+                completions[request.id] = Completion(cut(ids, request.cap, setup.stop_ids), end - start, ttft)
             bar.update(len(wave))
     return Run(completions, time.time() - start)
 
@@ -272,10 +317,12 @@ def cb_num_blocks(requests: list[Request], slots: int, page_size: int) -> int:
 
 
 @measured
-def run_transformers_cb(setup: Setup, slots: int, attn: str) -> Run:
+def run_transformers_cb(setup: Setup, slots: int, attn: str, ran: dict | None = None) -> Run:
+    """transformers' continuous batching in its best configuration for the device; `ran` gets what it used."""
     from transformers import ContinuousBatchingConfig
 
     model = setup.model
+    on_cuda = model.device.type == "cuda"
     original_attn = model.config._attn_implementation
     model.set_attn_implementation(attn)
     cb_config = ContinuousBatchingConfig(
@@ -283,15 +330,22 @@ def run_transformers_cb(setup: Setup, slots: int, attn: str) -> Run:
         max_batch_tokens=ENGINE_BUDGET,
         # Left unset, the cache takes 60 % of free RAM on CPU.
         num_blocks=cb_num_blocks(setup.requests, slots, ContinuousBatchingConfig.page_size),
-        auto_switch_to_flash=False,
+        # On CUDA: graphs for its steps, and flash attention instead of sdpa where a flash kernel is installed.
+        auto_switch_to_flash=on_cuda,
+        use_cuda_graph=True if on_cuda else None,
     )
-    gen_config = greedy_config(model, max(r.cap for r in setup.requests), setup.pad_id)
-    gen_config.eos_token_id = sorted(setup.eos_ids)
+    gen_config = workload_config(setup, max(r.cap for r in setup.requests))
+    gen_config.eos_token_id = -1 if setup.ignore_eos else sorted(setup.eos_ids)
     manager = model.init_continuous_batching(generation_config=gen_config, continuous_batching_config=cb_config)
     try:
         manager.warmup()  # builds the paged cache now, as the engine does in its constructor
+        if ran is not None:
+            graphs = cb_config.use_cuda_graph   # transformers resolves it to (varlen, decode) booleans
+            ran.update(attn=model.config._attn_implementation,
+                       use_cuda_graph=list(graphs) if isinstance(graphs, tuple) else bool(graphs),
+                       max_requests_per_batch=slots, max_batch_tokens=ENGINE_BUDGET)
         manager.start()
-        run = collect_cb(manager, setup.requests)
+        run = collect_cb(manager, setup.requests, -1 if setup.ignore_eos else None)
     finally:
         manager.stop(block=True)
         model.destroy_cached_continuous_batching_manager()
@@ -299,11 +353,11 @@ def run_transformers_cb(setup: Setup, slots: int, attn: str) -> Run:
     return run
 
 
-def collect_cb(manager, requests: list[Request]) -> Run:
+def collect_cb(manager, requests: list[Request], eos_token_id: int | None = None) -> Run:
     start, start_perf = time.time(), time.perf_counter()
     for request in requests:
         manager.add_request(request.prompt_ids, request_id=request.id, max_new_tokens=request.cap,
-                            record_timestamps=True)
+                            record_timestamps=True, eos_token_id=eos_token_id)
     completions = {}
     with progress("transformers_cb", len(requests)) as bar:
         while len(completions) < len(requests):
@@ -344,7 +398,8 @@ def drive_engine(setup: Setup, engine, name: str) -> Run:
     start = time.time()
     for request in setup.requests:
         engine.add_request(request.id, prompt_token_ids=request.prompt_ids,
-                           params=SamplingParams(temperature=0.0, max_new_tokens=request.cap))
+                           params=SamplingParams(temperature=setup.temperature, max_new_tokens=request.cap,
+                                                 ignore_eos=setup.ignore_eos))
     completions, occupancy = {}, []
     with progress(name, len(setup.requests)) as bar:
         while engine.has_unfinished():
@@ -474,7 +529,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cb-attn", choices=CB_ATTN_CHOICES, default=DEFAULT_CB_ATTN,
                         help="attention for transformers_cb (sdpa was faster than paged|eager on CPU)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first K requests")
-    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
+                        help=f"a workload JSON, a name shipped in worker/data (e.g. workload-256), or {NANO!r}: "
+                             "nano-vllm's shape (random token ids, ignore_eos, temperature 0.6)")
+    parser.add_argument("--requests", type=int, default=None,
+                        help=f"--workload {NANO}: number of requests (default {NANO_REQUESTS})")
+    parser.add_argument("--nano-lengths", default=None,
+                        help=f"--workload {NANO}: prompt and output lengths LOW,HIGH "
+                             f"(default {NANO_LENGTHS[0]},{NANO_LENGTHS[1]}; smaller for quick checks)")
+    parser.add_argument("--random-weights", default=None, metavar="CONFIG",
+                        help="a config.json, a directory holding one, or a built-in shape (qwen3-0.6b, "
+                             "smollm2-135m): that model with random weights and the default model's tokenizer "
+                             "(or --model's)")
+    parser.add_argument("--step-profile", default=None, metavar="N,N,...",
+                        help="e.g. 16,64,256: time the engine's decode step at each number of running sequences, "
+                             "wall time against device busy time from the profiler, greedy and sampled")
+    parser.add_argument("--profile-steps", type=int, default=8, help="--step-profile: decode steps measured")
     parser.add_argument("--skip", default="", help=f"comma-separated, from: {','.join(SKIPPABLE)}")
     parser.add_argument("--sweep-slots", default=None,
                         help="e.g. 1,2,4,8,16,32: measure only the engine at each slot count (no reference run)")
@@ -487,12 +557,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = args.skip - set(SKIPPABLE)
     if unknown:
         parser.error(f"--skip: unknown {sorted(unknown)}; choose from {','.join(SKIPPABLE)}")
-    if args.sweep_slots:
-        try:
-            args.sweep_slots = [int(s) for s in args.sweep_slots.split(",") if s.strip()]
-        except ValueError:
-            parser.error("--sweep-slots takes comma-separated integers, e.g. 1,2,4,8")
-    for name in ("slots", "best_slots", "best_budget", "limit"):
+    for name in ("sweep_slots", "step_profile", "nano_lengths"):
+        value = getattr(args, name)
+        if value:
+            try:
+                setattr(args, name, [int(s) for s in value.split(",") if s.strip()])
+            except ValueError:
+                parser.error(f"--{name.replace('_', '-')} takes comma-separated integers, e.g. 1,2,4,8")
+            if min(getattr(args, name)) < 1:
+                parser.error(f"--{name.replace('_', '-')}: every value must be >= 1")
+    if args.nano_lengths and (len(args.nano_lengths) != 2 or args.nano_lengths[0] > args.nano_lengths[1]):
+        parser.error("--nano-lengths takes LOW,HIGH with LOW <= HIGH, e.g. 100,1024")
+    if args.workload != NANO and (args.requests or args.nano_lengths):
+        parser.error(f"--requests and --nano-lengths apply to --workload {NANO}; use --limit for a workload file")
+    if args.sweep_slots and args.step_profile:
+        parser.error("--sweep-slots and --step-profile are separate runs; give one")
+    for name in ("slots", "best_slots", "best_budget", "limit", "requests", "profile_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -500,7 +580,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_wanted(args: argparse.Namespace) -> bool:
-    return bool(args.sweep_slots) or bool({"engine", "engine_best"} - args.skip)
+    return bool(args.sweep_slots or args.step_profile) or bool({"engine", "engine_best"} - args.skip)
 
 
 def check_engine_importable() -> None:
@@ -512,21 +592,36 @@ def check_engine_importable() -> None:
 
 def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    requests = load_workload(args.workload, tokenizer, args.limit)
+    if args.random_weights:
+        from worker.random_model import load_random_model
+
+        model, tokenizer = load_random_model(args.random_weights, device=args.device, dtype=args.dtype,
+                                             tokenizer_model=args.model)
+    else:
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    nano = args.workload == NANO
+    if nano:
+        requests = nano_workload(args.requests or NANO_REQUESTS, tuple(args.nano_lengths or NANO_LENGTHS))
+        requests = requests[:args.limit] if args.limit else requests
+    else:
+        requests = load_workload(resolve_workload(args.workload), tokenizer, args.limit)
     eos_ids = eos_ids_of(model, tokenizer)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     info = {"slots": args.slots, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "model": getattr(model, "name_or_source", args.model)}
-    return Setup(model, tokenizer, requests, eos_ids, pad_id), info
+            "model": getattr(model, "name_or_source", args.model), "workload": Path(args.workload).name}
+    setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
+                  ignore_eos=nano)
+    return setup, info
 
 
 def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
-    reference = None if "reference" in args.skip else run_reference(setup)
+    # Sampled outputs have no single right answer: greedy matches are counted only for greedy workloads.
+    reference = None if "reference" in args.skip or setup.temperature > 0 else run_reference(setup)
     best_slots = args.best_slots or min(len(setup.requests), BEST_SLOTS_CAP)
+    cb_ran: dict = {}
     plans = {
         "static": lambda: run_static(setup, args.slots),
-        "transformers_cb": lambda: run_transformers_cb(setup, args.slots, args.cb_attn),
+        "transformers_cb": lambda: run_transformers_cb(setup, args.slots, args.cb_attn, cb_ran),
         "engine": lambda: run_engine(setup, args.slots, ENGINE_BUDGET),
         "engine_best": lambda: run_engine(setup, best_slots, args.best_budget, name="engine_best"),
     }
@@ -534,34 +629,126 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
         # The engine's scheduling alone, on the same dense matmuls the baselines use.
         plans["engine_dense"] = lambda: run_engine(setup, args.slots, ENGINE_BUDGET, name="engine_dense", pack=False)
     runs = {name: plan() for name, plan in plans.items() if name not in args.skip}
-    methods = {name: summarize(run, setup.requests, setup.eos_ids, reference) for name, run in runs.items()}
+    methods = {name: summarize(run, setup.requests, setup.stop_ids, reference) for name, run in runs.items()}
     print()
     print(format_table(methods))
     print()
     for line in ratio_lines(methods):
         print(line)
     print(describe(info))
+    if setup.temperature > 0:
+        print(f"sampled at temperature {setup.temperature}: greedy matches not counted")
     if "transformers_cb" in runs:
-        print(f"transformers_cb: attn={args.cb_attn} max_requests_per_batch={args.slots} "
-              f"max_batch_tokens={ENGINE_BUDGET}")
+        print("transformers_cb ran with: " + " ".join(f"{k}={v}" for k, v in cb_ran.items()))
     if "engine_best" in runs:
         print(f"engine_best: max_num_seqs={best_slots} max_num_batched_tokens={args.best_budget}")
     if args.plot:
         plot_methods(args.plot, methods, runs)
-    return {**info, "methods": methods}
+    result = {**info, "methods": methods}
+    if cb_ran:
+        result["transformers_cb"] = cb_ran
+    return result
 
 
 def sweep(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     results = {}
     for slots in args.sweep_slots:
         run = run_engine(setup, slots, ENGINE_BUDGET, name=f"engine@{slots}")
-        results[slots] = summarize(run, setup.requests, setup.eos_ids, None)
+        results[slots] = summarize(run, setup.requests, setup.stop_ids, None)
     print()
     print(format_table(results, first_column="slots"))
     print(describe({**info, "slots": ",".join(map(str, args.sweep_slots))}))
     if args.plot:
         plot_sweep(args.plot, results)
     return {**info, "slots": args.sweep_slots, "sweep": {str(s): m for s, m in results.items()}}
+
+
+def step_params(sampling: str, seed: int, cap: int):
+    from worker.engine import SamplingParams
+
+    if sampling == "greedy":
+        return SamplingParams(temperature=0.0, max_new_tokens=cap, ignore_eos=True)
+    # Every sampling knob at once, each request with a seed of its own.
+    return SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=seed,
+                          max_new_tokens=cap, ignore_eos=True)
+
+
+def device_busy_ms(prof, device: torch.device) -> tuple[str, float]:
+    """What the profiler saw doing work: kernel time on a GPU, time inside operators (self time) on a CPU."""
+    if device.type == "cuda":
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return "gpu_kernels", sum(e.time_range.elapsed_us() for e in kernels) / 1000
+    return "cpu_ops", sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000
+
+
+def profile_decode(setup: Setup, seqs: int, sampling: str, steps: int) -> dict:
+    """Fill `seqs` slots, prefill them all, then time decode-only steps: wall clock, then under the profiler."""
+    from worker.engine import EngineConfig, LLMEngine
+
+    prompts = [setup.requests[i % len(setup.requests)].prompt_ids for i in range(seqs)]
+    budget = max(BEST_BUDGET, 2 * seqs)
+    # Sequences that finish prefill early decode while the rest prefill: their caps cover that, then the
+    # measured steps, so no sequence ends (and no slot empties) before the measurement does.
+    cap = -(-sum(map(len, prompts)) // (budget - seqs)) + 2 * steps + 8
+    blocks = sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts) + 1
+    config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
+                          num_blocks=blocks)
+    engine = LLMEngine(setup.model, setup.tokenizer, config)
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"p{i}", prompt_token_ids=ids, params=step_params(sampling, i, cap))
+
+        def decoding() -> bool:
+            stats = engine.stats()
+            return stats.last_batch_seqs == stats.last_batch_tokens == seqs
+
+        while not decoding():
+            engine.step()
+        for _ in range(2):   # warm: allocator, first-use kernels
+            engine.step()
+        walls = []
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            walls.append(time.perf_counter() - start)
+            if not decoding():
+                raise RuntimeError(f"the step at {seqs} sequences stopped being decode-only")
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            for _ in range(steps):
+                engine.step()
+            sync()
+        busy_kind, busy = device_busy_ms(prof, engine.device)
+    finally:
+        engine.release_model()
+    wall_ms = 1000 * sum(walls) / len(walls)
+    return {"seqs": seqs, "sampling": sampling, "wall_ms": wall_ms, "wall_p50_ms": 1000 * percentile(walls, 50),
+            "busy_kind": busy_kind, "busy_ms": busy / steps, "wall_over_busy": wall_ms / (busy / steps),
+            "steps": steps}
+
+
+def step_profile(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
+    rows = [profile_decode(setup, n, sampling, args.profile_steps)
+            for n in args.step_profile for sampling in STEP_SAMPLINGS]
+    print()
+    header = ("seqs", "sampling", "wall_ms", "wall_p50_ms", "busy_kind", "busy_ms", "wall_over_busy")
+    print("  ".join(f"{h:>14}" for h in header))
+    for row in rows:
+        print("  ".join(f"{fmt(row[h]):>14}" for h in header))
+    print()
+    for n in args.step_profile:
+        greedy, sampled = (next(r for r in rows if r["seqs"] == n and r["sampling"] == s) for s in STEP_SAMPLINGS)
+        print(f"{n} seqs: sampled / greedy step wall {sampled['wall_ms'] / greedy['wall_ms']:.2f}x")
+    if rows and rows[0]["busy_kind"] == "cpu_ops":
+        print("busy = time inside operators (profiler self CPU time); the rest of the wall is Python and dispatch. "
+              "No GPU kernel time on this device.")
+    print("transformers_cb: not step-profiled (its steps run inside its own loop thread)")
+    print(describe({**info, "slots": ",".join(map(str, args.step_profile))}))
+    return {**info, "slots": args.step_profile, "step_profile": rows}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -572,7 +759,12 @@ def main(argv: list[str] | None = None) -> dict:
     if not setup.requests:
         raise SystemExit(f"no requests in {args.workload}")
     warm_up(setup)
-    result = sweep(args, setup, info) if args.sweep_slots else compare(args, setup, info)
+    if args.step_profile:
+        result = step_profile(args, setup, info)
+    elif args.sweep_slots:
+        result = sweep(args, setup, info)
+    else:
+        result = compare(args, setup, info)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return result

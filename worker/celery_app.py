@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import os
-
 from messaging.queue import make_celery as make_queue_app
+from worker.settings import WorkerSettings, expected_slots
 
 
 def make_celery(broker_url: str | None = None):
@@ -14,7 +13,7 @@ def make_celery(broker_url: str | None = None):
         broker_transport="worker.leases:LeasedTransport",
         # Twice as many task threads as engine slots: a slot that frees is refilled from requests already
         # waiting inside the engine, not after a broker round trip. Each thread holds one request.
-        worker_concurrency=2 * int(os.environ.get("MAX_NUM_SEQS", "16")),
+        worker_concurrency=2 * expected_slots(WorkerSettings()),
         # Answers keep being generated while the broker is away; each is acked (or leased back) afterwards.
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )

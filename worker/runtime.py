@@ -19,6 +19,7 @@ from messaging.queue import visibility_timeout
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
+from worker.engine.sizing import default_slots
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
@@ -76,10 +77,10 @@ class WorkerRuntime:
         self.settings = settings or WorkerSettings()
         s = self.settings
         config = EngineConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                              kv_cache_memory_gib=s.kv_cache_gib)
+                              kv_cache_memory_gib=s.kv_cache_gib, gpu_memory_utilization=s.gpu_memory_utilization)
         if s.synthetic_token_rate:   # benchmarks of the web tier only (worker/synthetic.py)
             from worker.synthetic import SyntheticEngine
-            self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs)
+            self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs or default_slots("cpu"))
         else:
             # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).
             self.engine = LLMEngine.launch(lambda: LLMEngine(*load_model(s.model, s.device, s.dtype), config))
@@ -97,7 +98,10 @@ class WorkerRuntime:
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
         Reaper(self, s.lost_after_s).start()
-        log.info("worker %s ready with %s (%d slots)", s.name, self.model_name, s.max_num_seqs)
+        size = capacity(self.engine)
+        log.info("worker %s ready with %s on %s: %d slots, KV pool %s blocks (%s tokens, %.2f GiB) sized by %s",
+                 s.name, self.model_name, size["device"], size["slots"], size["kv_blocks"], size["kv_tokens"],
+                 (size["kv_bytes"] or 0) / 2**30, size["kv_sizing"])
 
     # ---- outputs ----------------------------------------------------------------------------
 
@@ -283,9 +287,12 @@ def capacity(engine) -> dict:
     pool = getattr(runner, "kv", None)
     tensors = pool if isinstance(pool, (list, tuple)) else [pool] if pool is not None else []
     kv_bytes = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel")) or None
+    sizing = getattr(runner, "sizing", None)
     return {"slots": config.max_num_seqs, "device": str(getattr(engine, "device", "unknown")),
             "kv_blocks": blocks, "kv_block_size": block_size,
-            "kv_tokens": blocks * block_size if blocks and block_size else None, "kv_bytes": kv_bytes}
+            "kv_tokens": blocks * block_size if blocks and block_size else None, "kv_bytes": kv_bytes,
+            # How the pool got its size: num_blocks, a fixed KV_CACHE_GIB, or a share of the GPU's memory.
+            "kv_sizing": sizing.describe(config) if sizing else None}
 
 
 def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, completion_tokens: int,

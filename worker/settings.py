@@ -11,6 +11,12 @@ def _int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def _optional(name: str, kind: type) -> int | float | None:
+    """Unset or empty: None, for a default that depends on the device."""
+    value = os.environ.get(name)
+    return kind(value) if value else None
+
+
 @dataclass
 class WorkerSettings:
     redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -18,9 +24,12 @@ class WorkerSettings:
     model: str | None = field(default_factory=lambda: os.environ.get("MODEL") or None)
     device: str | None = field(default_factory=lambda: os.environ.get("DEVICE") or None)
     dtype: str | None = field(default_factory=lambda: os.environ.get("DTYPE") or None)
-    max_num_seqs: int = field(default_factory=lambda: _int("MAX_NUM_SEQS", 16))
+    # Unset: 16 slots and a 1 GiB KV pool on CPU; 256 slots and GPU_MEMORY_UTILIZATION of the GPU on CUDA.
+    max_num_seqs: int | None = field(default_factory=lambda: _optional("MAX_NUM_SEQS", int))
     max_num_batched_tokens: int = field(default_factory=lambda: _int("MAX_NUM_BATCHED_TOKENS", 512))
-    kv_cache_gib: float = field(default_factory=lambda: float(os.environ.get("KV_CACHE_GIB", "1.0")))
+    kv_cache_gib: float | None = field(default_factory=lambda: _optional("KV_CACHE_GIB", float))
+    gpu_memory_utilization: float = field(
+        default_factory=lambda: float(os.environ.get("GPU_MEMORY_UTILIZATION") or "0.9"))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
     shutdown_grace_s: float = field(default_factory=lambda: float(os.environ.get("SHUTDOWN_GRACE_S", "15")))
     # How long a finished answer waits for the database (its final write) and for Redis (its final event)
@@ -35,3 +44,13 @@ class WorkerSettings:
     # Benchmarks only: tokens per second per request from a stand-in engine with no model (worker/synthetic.py).
     synthetic_token_rate: float = field(default_factory=lambda: float(os.environ.get("SYNTHETIC_TOKEN_RATE") or 0))
     name: str = field(default_factory=lambda: os.environ.get("WORKER_NAME", f"worker@{socket.gethostname()}"))
+
+
+def expected_slots(settings: WorkerSettings) -> int:
+    """The slots the engine will have, known before the model loads (the task thread pool is sized from it)."""
+    if settings.max_num_seqs:
+        return settings.max_num_seqs
+    from worker.engine.sizing import default_slots
+    from worker.model_loader import pick_device
+
+    return min(default_slots(pick_device(settings.device).type), settings.max_num_batched_tokens)

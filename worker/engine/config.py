@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 @dataclass
 class EngineConfig:
-    max_num_seqs: int = 16               # sequences in one batch (slots)
+    max_num_seqs: int | None = None      # sequences in one batch (slots); None: 16 on CPU, 256 on CUDA (sizing.py)
     max_num_batched_tokens: int = 512    # tokens in one forward pass: decodes first, then prefill chunks
     block_size: int = 16                 # tokens per KV-cache block
-    num_blocks: int | None = None        # KV pool size; None sizes it from kv_cache_memory_gib
-    kv_cache_memory_gib: float = 1.0
+    num_blocks: int | None = None        # KV pool size; None sizes it from the memory settings below
+    kv_cache_memory_gib: float | None = None   # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    gpu_memory_utilization: float = 0.9  # CUDA: share of the memory left to this process (model included)
     max_model_len: int | None = None     # None: the model's own context length
     enable_prefix_caching: bool = True
     pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see packed_linear.py)
@@ -19,12 +20,17 @@ class EngineConfig:
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
+            if name == "max_num_seqs" and value is None:
+                continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer; got {value!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be positive; got {self.num_blocks}")
-        if self.kv_cache_memory_gib <= 0:
+        if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gib must be positive; got {self.kv_cache_memory_gib}")
-        if self.max_num_batched_tokens < self.max_num_seqs:
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError("EngineConfig.gpu_memory_utilization must be above 0 and at most 1; "
+                             f"got {self.gpu_memory_utilization}")
+        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("EngineConfig.max_num_batched_tokens must be at least max_num_seqs, "
                              "or some running sequences could never decode")

@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from . import attention
+from . import attention, sizing
 from .attention import PrefillChunk, StepContext
 from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
@@ -46,7 +46,8 @@ class ModelRunner:
         self.packed_linears = pack_linears(model) if config.pack_cpu_linears else 0
         layers, kv_heads, head_dim = kv_shape(model)
         bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
-        self.num_blocks = config.num_blocks or max(1, int(config.kv_cache_memory_gib * 2**30) // bytes_per_block)
+        self.sizing = sizing.size_for(model, config, self.device, bytes_per_block)   # slots and pool per device
+        config.max_num_seqs, self.num_blocks = self.sizing.max_num_seqs, self.sizing.num_blocks
         # Allocated once; every step writes into it in place.
         self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks, config.block_size, head_dim,
                               dtype=self.dtype, device=self.device)

@@ -1,0 +1,76 @@
+"""Slots and KV-pool sizing per device, as pure arithmetic: the GPU rules are checked without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.engine import EngineConfig
+from worker.engine.sizing import CPU_KV_CACHE_GIB, size_engine
+from worker.settings import WorkerSettings, expected_slots
+
+GIB = 2**30
+BLOCK = 2 * 2**20   # bytes per KV block
+
+
+def test_cpu_defaults_stay_16_slots_and_one_gib():
+    sizing = size_engine(EngineConfig(), "cpu", BLOCK)
+    assert sizing.max_num_seqs == 16
+    assert sizing.num_blocks == int(CPU_KV_CACHE_GIB * GIB) // BLOCK == 512
+    assert sizing.kv_source == "kv_cache_memory_gib"
+
+
+def test_gpu_defaults_take_256_slots_and_a_share_of_the_memory_left():
+    free, model, reserve = 60 * GIB, 2 * GIB, GIB
+    sizing = size_engine(EngineConfig(), "cuda", BLOCK, free_bytes=free, model_bytes=model, reserve_bytes=reserve)
+    assert sizing.max_num_seqs == 256
+    # 0.9 of the 62 GiB this process could use, less the model already in it and the activation reserve.
+    assert sizing.num_blocks == int(0.9 * 62 * GIB - 3 * GIB) // BLOCK
+    assert sizing.kv_source == "gpu_memory_utilization"
+    lower = size_engine(EngineConfig(gpu_memory_utilization=0.5), "cuda", BLOCK, free_bytes=free, model_bytes=model,
+                        reserve_bytes=reserve)
+    assert lower.num_blocks == int(0.5 * 62 * GIB - 3 * GIB) // BLOCK < sizing.num_blocks
+
+
+def test_explicit_settings_win_on_every_device():
+    for device, free in (("cpu", None), ("cuda", 60 * GIB)):
+        assert size_engine(EngineConfig(max_num_seqs=8, num_blocks=100), device, BLOCK, free).num_blocks == 100
+        fixed = size_engine(EngineConfig(max_num_seqs=8, kv_cache_memory_gib=0.5), device, BLOCK, free)
+        assert (fixed.max_num_seqs, fixed.num_blocks, fixed.kv_source) == (8, 256, "kv_cache_memory_gib")
+
+
+def test_gpu_slots_default_never_exceeds_the_token_budget():
+    sizing = size_engine(EngineConfig(max_num_batched_tokens=128), "cuda", BLOCK, free_bytes=10 * GIB)
+    assert sizing.max_num_seqs == 128
+    with pytest.raises(ValueError, match="at least max_num_seqs"):
+        EngineConfig(max_num_seqs=256, max_num_batched_tokens=128).validate()
+
+
+def test_a_full_gpu_is_refused_with_what_to_change():
+    with pytest.raises(ValueError, match="GPU_MEMORY_UTILIZATION.*KV_CACHE_GIB"):
+        size_engine(EngineConfig(), "cuda", BLOCK, free_bytes=GIB // 2, model_bytes=8 * GIB, reserve_bytes=GIB)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        EngineConfig(gpu_memory_utilization=1.5).validate()
+
+
+def test_worker_settings_leave_the_device_defaults_to_the_engine(monkeypatch):
+    for name in ("MAX_NUM_SEQS", "KV_CACHE_GIB", "GPU_MEMORY_UTILIZATION"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("DEVICE", "cpu")
+    settings = WorkerSettings()
+    assert (settings.max_num_seqs, settings.kv_cache_gib, settings.gpu_memory_utilization) == (None, None, 0.9)
+    assert expected_slots(settings) == 16
+    assert expected_slots(WorkerSettings(device="cuda")) == 256
+    monkeypatch.setenv("MAX_NUM_SEQS", "32")
+    monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.8")
+    settings = WorkerSettings()
+    assert expected_slots(settings) == 32 and settings.gpu_memory_utilization == 0.8
+
+
+def test_the_runner_sizes_a_cpu_engine_by_the_cpu_rule(tiny):
+    from worker.engine import LLMEngine
+
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(kv_cache_memory_gib=None))
+    assert engine.config.max_num_seqs == 16 and engine.runner.sizing.kv_source == "kv_cache_memory_gib"
+    pool_bytes = engine.runner.kv.numel() * engine.runner.kv.element_size()
+    assert GIB - pool_bytes < pool_bytes / engine.runner.num_blocks   # 1 GiB, to the block

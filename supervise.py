@@ -1,4 +1,5 @@
-"""`make run`: migrate, start Redis (unless REDIS_URL is set), the worker and the web app; restart what dies."""
+"""`make run`: migrate, start Redis (unless REDIS_URL is set), the worker, the web app and housekeeping (dashboard
+summaries, retention); restart what dies."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ def main() -> int:
                          "--queues", "generate", "--loglevel", "INFO",
                          "--hostname", "worker@%h"], env),
         Child("web", [sys.executable, "-m", "webapp"], env),
+        Child("housekeeping", [sys.executable, "-m", "housekeeping"], env),
     ]
     stopping = False
 

@@ -3,6 +3,7 @@
 from models.base import Base, UTCDateTime, utcnow
 from models.chat import ROLES, Conversation, Message, new_conversation_id
 from models.records import FINISH_REASONS, SOURCES, RequestRecord
+from models.summaries import DirtyMinute, JobState, LatencyHistogram, SlowRequest, TrafficSummary
 
 __all__ = [
     "FINISH_REASONS",
@@ -10,8 +11,13 @@ __all__ = [
     "SOURCES",
     "Base",
     "Conversation",
+    "DirtyMinute",
+    "JobState",
+    "LatencyHistogram",
     "Message",
     "RequestRecord",
+    "SlowRequest",
+    "TrafficSummary",
     "UTCDateTime",
     "new_conversation_id",
     "utcnow",

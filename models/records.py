@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Float, ForeignKey, String, Text
+from sqlalchemy import Float, ForeignKey, Index, String, Text
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base
@@ -23,6 +23,8 @@ class RequestRecord(Base):
     """The life of one generation request: queue, admission, first token, finish."""
 
     __tablename__ = "request_records"
+    # The dashboard's recent errors: the newest few with finish_reason 'error', without reading the others.
+    __table_args__ = (Index("ix_request_records_finish_reason_finished_at", "finish_reason", "finished_at"),)
 
     request_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     # Kept when the conversation is deleted: latency history outlives chat history.

@@ -102,6 +102,7 @@ def stack(tmp_path_factory, tiny_model_dir):
     s = Stack(workdir, base_env(redis_url, database_url, tiny_model_dir, workdir))
     try:
         s.start_worker()
+        s.start_housekeeping()
         s.start_web()
         s.start_web()   # a second web process: answers must reach clients on either
         yield s

@@ -70,6 +70,11 @@ class Stack:
         self.worker = proc
         return proc
 
+    def start_housekeeping(self, **extra: str) -> subprocess.Popen:
+        """The dashboard's summaries and retention, as `make run` and the deployment run them."""
+        proc, _ = self.spawn("housekeeping", [sys.executable, "-m", "housekeeping"], {**self.env, **extra})
+        return proc
+
     def kill_worker(self) -> None:
         """SIGKILL, as an out-of-memory kill or a power cut would: no shutdown handlers run."""
         self.worker.kill()
@@ -146,7 +151,7 @@ def base_env(redis_url: str, database_url: str, model_dir: Path, workdir: Path) 
     env.update(REDIS_URL=redis_url, DATABASE_URL=database_url, MODEL=str(model_dir), MAX_NUM_SEQS="4",
                KV_CACHE_GIB="0.05", SECRET_KEY="test-secret", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
                TEMPERATURE="0", MAX_NEW_TOKENS="24", VISIBILITY_TIMEOUT="6",
-               LOST_AFTER_S="5")
+               LOST_AFTER_S="5", ROLLUP_INTERVAL_S="0.5")
     env.update(OPERATOR_PASSWORD="stack-operator-password", METRICS_TOKEN="stack-metrics-token-0123456789abcdef")
     env.update(RATE_LIMIT_PER_SESSION="9999/second", RATE_LIMIT_PER_IP="9999/second", MAX_CONNECTIONS_PER_IP="9999")
     return env

@@ -17,7 +17,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"
 PINNED_GPUS = range(1, 8)
 WORKERS = ("worker", "worker-cpu", *(f"worker-gpu{gpu}" for gpu in PINNED_GPUS))
-APP_SERVICES = ("web", *WORKERS)
+APP_SERVICES = ("web", "housekeeping", *WORKERS)
 PLACEHOLDER = "change-me"
 
 # `$NAME`, `${NAME}`, `${NAME:-default}`, `${NAME:?message}`; `$$` is a literal dollar for the container.

@@ -22,6 +22,7 @@ EXPECTED_INDEXES = {
     "request_records": {
         "ix_request_records_enqueued_at": ["enqueued_at"],
         "ix_request_records_finished_at": ["finished_at"],
+        "ix_request_records_finish_reason_finished_at": ["finish_reason", "finished_at"],
     },
 }
 
@@ -63,7 +64,7 @@ def test_upgrade_creates_schema_matching_models(db_url: str, tmp_path, monkeypat
         assert ("request_id",) in unique
 
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0001"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
             context = MigrationContext.configure(conn, opts={"compare_type": True})
             diff = compare_metadata(context, Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"

@@ -40,6 +40,7 @@ def test_supervisor_restarts_a_killed_worker_and_stops_everything(tmp_path, tiny
         # No REDIS_URL: the supervisor starts a private Redis; the migration runs on the empty database.
         wait_for(lambda: requests.get(url + "/readyz", timeout=2).ok, 120, "make run", proc, log)
         assert any("redis-server" in " ".join(c.cmdline()) for c in supervisor.children(recursive=True))
+        assert any("housekeeping" in " ".join(c.cmdline()) for c in supervisor.children())
         client = ChatClient(url)
         first = client.ask("Do you have gift cards?")["done"]
 

@@ -1,19 +1,27 @@
-"""The dashboard's figures: SQL aggregates and percentiles over request_records, live engine state from Redis."""
+"""The dashboard's figures: per-slot summaries (housekeeping/rollup.py) for every window, exact slowest requests
+and recent errors from indexed queries, live engine state from Redis.
+
+A window's summary figures cost the same whatever the traffic: they read one histogram per latency and one
+row of counts per bucket. A window starts at the start of its first bucket (at most one bucket before
+now - window). Percentiles come from log-spaced histograms: within 1% of the exact ones (housekeeping/histogram.py).
+"""
 
 from __future__ import annotations
 
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections import Counter
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 import redis
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select, text
 from sqlalchemy.orm import Session
 
-from models import FINISH_REASONS, RequestRecord
+from housekeeping import histogram, lease, rollup
+from housekeeping.sql import Spelling
+from models import FINISH_REASONS, DirtyMinute, RequestRecord, SlowRequest, UTCDateTime
 from messaging.contract import HEARTBEAT_PREFIX, QUEUE
 
 
@@ -22,16 +30,18 @@ class Window:
     key: str
     label: str
     seconds: int
-    bucket_seconds: int
+    bucket_seconds: int   # one of rollup.LEVELS
 
 
 WINDOWS = {w.key: w for w in (Window("5m", "5 min", 300, 10), Window("1h", "1 h", 3600, 60),
-                              Window("24h", "24 h", 86400, 900))}
+                              Window("24h", "24 h", 86400, 900), Window("7d", "7 days", 7 * 86400, 3600))}
 DEFAULT_WINDOW = "5m"
-LATENCIES = ("queue_wait", "ttft", "tpot", "e2e")
+LATENCIES = rollup.LATENCIES
 QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
 SLOWEST = 10
 RECENT_ERRORS = 10
+# Minutes this recent are summarised by the next roll-up as a matter of course; older ones waiting mean a backlog.
+SETTLING_S = 120
 
 
 @dataclass
@@ -51,42 +61,110 @@ class Timing:
     e2e: float | None
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between closest ranks (numpy's default); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
-
-
-def quantiles(values: Sequence[float]) -> dict[str, float | None]:
-    return {name: percentile(values, q) for name, q in QUANTILES}
-
-
-def values(timings: Sequence[Timing], name: str) -> list[float]:
-    return [v for t in timings if (v := getattr(t, name)) is not None]
-
-
-def _seconds(start: datetime | None, end: datetime | None) -> float | None:
-    return None if start is None or end is None else (end - start).total_seconds()
+def quantiles(counts: Counter | None) -> dict[str, float | None]:
+    return {name: histogram.quantile(counts, q) if counts is not None else None for name, q in QUANTILES}
 
 
 def _utc(ts: float) -> datetime:
     return datetime.fromtimestamp(ts, tz=UTC)
 
 
-def _in_window(since: float):
-    return RequestRecord.finished_at >= _utc(since)
+def _seconds(start: datetime | None, end: datetime | None) -> float | None:
+    return None if start is None or end is None else (end - start).total_seconds()
 
 
-def window_timings(db: Session, since: float) -> list[Timing]:
-    """Every request that finished since `since` (epoch seconds), with the same definitions as RequestRecord."""
+@dataclass(frozen=True)
+class Progress:
+    """How far the summaries are: minutes of the window not yet summarised beyond the usual few seconds."""
+
+    backlog: list[int]   # dirty minutes of the window older than SETTLING_S
+    recent: list[int]    # dirty minutes of the last SETTLING_S: read from the records directly where exactness needs it
+    updated_at: float | None
+
+    def json(self, now: float) -> dict:
+        return {"catching_up": bool(self.backlog), "pending_minutes": len(self.backlog),
+                "oldest_pending": self.backlog[0] * 60 if self.backlog else None, "updated_at": self.updated_at,
+                "stale": self.updated_at is None or now - self.updated_at > SETTLING_S}
+
+
+def progress(db: Session, first: float, now: float) -> Progress:
+    dirty = db.scalars(select(DirtyMinute.minute).where(DirtyMinute.minute >= int(first // 60))
+                       .order_by(DirtyMinute.minute)).all()
+    settled = (now - SETTLING_S) // 60
+    return Progress([m for m in dirty if m < settled], [m for m in dirty if m >= settled],
+                    lease.ran_at(db.connection(), rollup.JOB))
+
+
+def series(slots: dict[int, rollup.Slot], starts: list[int], bucket: int, now: float, incomplete: set[int]) -> dict:
+    """Per bucket: percentiles, throughput and errors; None throughout for a bucket not yet summarised."""
+    out: dict = {"t": starts}
+    covered = [max(1e-9, min(s + bucket, now) - s) for s in starts]
+    empty = rollup.Slot()
+    picked = [None if s in incomplete else slots.get(s, empty) for s in starts]
+    for name in LATENCIES:
+        per_bucket = [quantiles(p.histograms[name] if p is not None else None) for p in picked]
+        out[name] = {q: [b[q] for b in per_bucket] for q, _ in QUANTILES}
+    out["requests_per_minute"] = [p.requests * 60 / c if p is not None else None for p, c in zip(picked, covered)]
+    out["errors_per_minute"] = [p.finish_reasons["error"] * 60 / c if p is not None else None
+                                for p, c in zip(picked, covered)]
+    out["tokens_per_second"] = [p.completion_tokens / c if p is not None else None for p, c in zip(picked, covered)]
+    return out
+
+
+def totals(total: rollup.Slot | None, seconds: float) -> dict:
+    if total is None:   # catching up: no figure rather than a wrong one
+        return {"requests": None, "errors": None, "error_rate": None, "prompt_tokens": None,
+                "completion_tokens": None, "prefix_cache_hit_rate": None, "mean_batch_size": None,
+                "tokens_per_second": None, "requests_per_minute": None, "finish_reasons": {}}
+    reasons = dict.fromkeys(FINISH_REASONS, 0) | dict(total.finish_reasons)
+    requests, prompt = total.requests, total.prompt_tokens
+    return {
+        "requests": requests,
+        "errors": reasons["error"],
+        "error_rate": reasons["error"] / requests if requests else None,
+        "prompt_tokens": prompt,
+        "completion_tokens": total.completion_tokens,
+        "prefix_cache_hit_rate": total.cached_tokens / prompt if prompt else None,
+        "mean_batch_size": total.batch_size_sum / total.batch_size_count if total.batch_size_count else None,
+        "tokens_per_second": total.completion_tokens / seconds,
+        "requests_per_minute": requests / (seconds / 60),
+        "finish_reasons": reasons,
+    }
+
+
+def _slowest_in(db: Session, lo: float, hi: float, limit: int) -> list[tuple[str, float]]:
+    """The slowest requests that finished in [lo, hi), straight from the records (a short range)."""
+    e2e = Spelling(db.get_bind().dialect.name).latency("e2e")[0]
+    query = text(f"SELECT request_id, {e2e} AS e2e FROM request_records WHERE finished_at >= :lo "
+                 f"AND finished_at < :hi ORDER BY e2e DESC LIMIT {int(limit)}").bindparams(
+        bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
+    return [(rid, e) for rid, e in db.execute(query, {"lo": _utc(lo), "hi": _utc(hi)})]
+
+
+def slowest(db: Session, since: float, now: float, progress: Progress, limit: int = SLOWEST) -> list[Timing]:
+    """Exact: every minute keeps its slowest `limit`, so the window's slowest are among those; the partial first
+    minute and the minutes the roll-up has not reached yet are read from the records."""
+    first_full = math.ceil(since / 60)
+    skip = progress.backlog + progress.recent
+    query = select(SlowRequest.request_id, SlowRequest.e2e).where(SlowRequest.minute >= first_full)
+    if skip:
+        query = query.where(SlowRequest.minute.not_in(skip))
+    candidates = list(db.execute(query.order_by(SlowRequest.e2e.desc()).limit(limit)).tuples())
+    if since < first_full * 60:
+        candidates += _slowest_in(db, since, first_full * 60, limit)
+    for m in progress.recent:
+        candidates += _slowest_in(db, max(since, m * 60), m * 60 + 60, limit)
+    ids = [rid for rid, _ in sorted(candidates, key=lambda c: c[1], reverse=True)[:limit]]
+    return sorted(timings(db, ids), key=lambda t: t.e2e, reverse=True)
+
+
+def timings(db: Session, ids: list[str]) -> list[Timing]:
     r = RequestRecord
+    if not ids:
+        return []
     rows = db.execute(select(r.request_id, r.source, r.worker, r.finish_reason, r.prompt_tokens, r.completion_tokens,
                              r.enqueued_at, r.admitted_at, r.first_token_at, r.finished_at)
-                      .where(_in_window(since))).all()
+                      .where(r.request_id.in_(ids))).all()
     out = []
     for row in rows:
         decode = _seconds(row.first_token_at, row.finished_at)
@@ -101,57 +179,11 @@ def window_timings(db: Session, since: float) -> list[Timing]:
     return out
 
 
-def totals(db: Session, since: float, seconds: float) -> dict:
-    """Counts per finish reason and token sums, aggregated by the database."""
-    r = RequestRecord
-    rows = db.execute(select(r.finish_reason, func.count(), func.sum(r.prompt_tokens), func.sum(r.completion_tokens),
-                             func.sum(r.cached_tokens), func.sum(r.batch_size), func.count(r.batch_size))
-                      .where(_in_window(since)).group_by(r.finish_reason)).all()
-    reasons = dict.fromkeys(FINISH_REASONS, 0)
-    requests = prompt = completion = cached = batch_sum = batch_n = 0
-    for reason, count, p, c, cached_sum, b_sum, b_n in rows:
-        reasons[reason or "unknown"] = reasons.get(reason or "unknown", 0) + count
-        requests += count
-        prompt, completion, cached = prompt + (p or 0), completion + (c or 0), cached + (cached_sum or 0)
-        batch_sum, batch_n = batch_sum + (b_sum or 0.0), batch_n + b_n
-    return {
-        "requests": requests,
-        "errors": reasons["error"],
-        "error_rate": reasons["error"] / requests if requests else None,
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "prefix_cache_hit_rate": cached / prompt if prompt else None,
-        "mean_batch_size": batch_sum / batch_n if batch_n else None,
-        "tokens_per_second": completion / seconds,
-        "requests_per_minute": requests / (seconds / 60),
-        "finish_reasons": reasons,
-    }
-
-
-def series(timings: Sequence[Timing], since: float, now: float, bucket: int) -> dict:
-    """Per time bucket (aligned to multiples of `bucket` seconds): percentiles, throughput and errors."""
-    first = math.floor(since / bucket) * bucket
-    n = math.floor(now / bucket) - math.floor(since / bucket) + 1
-    starts = [first + i * bucket for i in range(n)]
-    groups: list[list[Timing]] = [[] for _ in range(n)]
-    for t in timings:
-        groups[min(n - 1, max(0, math.floor((t.finished_at - first) / bucket)))].append(t)
-    # The first and last buckets are partly outside the window: rates use the part inside it.
-    covered = [max(1e-9, min(s + bucket, now) - max(s, since)) for s in starts]
-    out: dict = {"t": starts}
-    for name in LATENCIES:
-        per_bucket = [quantiles(values(g, name)) for g in groups]
-        out[name] = {q: [b[q] for b in per_bucket] for q, _ in QUANTILES}
-    out["requests_per_minute"] = [len(g) * 60 / c for g, c in zip(groups, covered)]
-    out["errors_per_minute"] = [sum(t.finish_reason == "error" for t in g) * 60 / c for g, c in zip(groups, covered)]
-    out["tokens_per_second"] = [sum(t.completion_tokens or 0 for t in g) / c for g, c in zip(groups, covered)]
-    return out
-
-
 def recent_errors(db: Session, since: float, limit: int = RECENT_ERRORS) -> list[dict]:
+    """The newest errors, along the (finish_reason, finished_at) index."""
     r = RequestRecord
     rows = db.execute(select(r.request_id, r.finished_at, r.source, r.error)
-                      .where(_in_window(since), r.finish_reason == "error")
+                      .where(r.finish_reason == "error", r.finished_at >= _utc(since))
                       .order_by(r.finished_at.desc()).limit(limit)).all()
     return [{"request_id": row.request_id, "finished_at": row.finished_at.timestamp(), "source": row.source,
              "error": row.error or ""} for row in rows]
@@ -180,21 +212,32 @@ def live(r: redis.Redis, now: float | None = None) -> dict:
             "kv_cache_usage": sum(usages) / len(usages) if usages else None, "workers": workers}
 
 
-def figures(db: Session, r: redis.Redis, window: str, now: float | None = None) -> dict:
+def figures(db: Session, r: redis.Redis | None, window: str, now: float | None = None) -> dict:
     """Everything the dashboard shows for one window; the page reads nothing else."""
     w = WINDOWS[window]
     now = time.time() if now is None else now
-    since = now - w.seconds
-    timings = window_timings(db, since)
-    slowest = sorted((t for t in timings if t.e2e is not None), key=lambda t: t.e2e, reverse=True)[:SLOWEST]
+    bucket = w.bucket_seconds
+    first = math.floor((now - w.seconds) / bucket) * bucket
+    starts = list(range(first, math.floor(now / bucket) * bucket + 1, bucket))
+    state = progress(db, first, now)
+    incomplete = {m * 60 // bucket * bucket for m in state.backlog}
+    slots = rollup.read_slots(db.connection(), bucket, first, starts[-1] + bucket)
+    total: rollup.Slot | None = None
+    if not incomplete:
+        total = rollup.Slot()
+        for slot in slots.values():
+            total.add(slot)
+    seconds = now - first
     return {
-        "window": {"key": w.key, "label": w.label, "seconds": w.seconds, "bucket_seconds": w.bucket_seconds},
+        "window": {"key": w.key, "label": w.label, "seconds": w.seconds, "bucket_seconds": bucket},
         "generated_at": now,
-        "live": live(r, now),
-        "totals": totals(db, since, w.seconds),
-        "latency": {name: {**quantiles(values(timings, name)), "count": len(values(timings, name))}
+        "live": live(r, now) if r is not None else None,
+        "summaries": state.json(now),
+        "totals": totals(total, seconds),
+        "latency": {name: {**quantiles(total.histograms[name] if total else None),
+                           "count": sum(total.histograms[name].values()) if total else None}
                     for name in LATENCIES},
-        "series": series(timings, since, now, w.bucket_seconds),
-        "slowest": [asdict(t) for t in slowest],
-        "recent_errors": recent_errors(db, since),
+        "series": series(slots, starts, bucket, now, incomplete),
+        "slowest": [asdict(t) for t in slowest(db, first, now, state)],
+        "recent_errors": recent_errors(db, first),
     }

@@ -252,7 +252,16 @@
       const data = await response.json();
       if (mine === latest) {
         render(data);
-        setStatus("live", `Live · updated ${new Date().toLocaleTimeString()}`);
+        const sums = data.summaries;
+        if (sums.catching_up) {
+          setStatus("catching-up", `Catching up: ${fmtNumber(sums.pending_minutes)} minutes of this window still ` +
+                    `being summarised (oldest ${fmtTime(sums.oldest_pending)}); their figures show when ready`);
+        } else if (sums.stale) {
+          setStatus("catching-up", sums.updated_at === null ? "Summaries not made yet: is housekeeping running?"
+            : `Summaries last updated ${fmtTime(sums.updated_at)}: is housekeeping running?`);
+        } else {
+          setStatus("live", `Live · updated ${new Date().toLocaleTimeString()}`);
+        }
       }
     } catch (err) {
       if (mine === latest) setStatus("error", `Cannot reach the server (${err.message}); retrying`);

@@ -1,0 +1,1 @@
+"""Periodic jobs on the records: summaries for the dashboard (roll-up) and retention, one holder at a time."""

@@ -1,0 +1,253 @@
+"""The roll-up: recompute the summaries of every minute whose records changed (dirty_minutes), newest first.
+
+A minute's 10-second and 1-minute slots are computed from its records by the database (histogram buckets,
+counts, sums, its slowest requests); 15-minute and 1-hour slots are merged from the slots below them. A minute
+is replaced whole, so running it twice changes nothing; it is only marked clean if its version did not change
+while its records were read, so a record written meanwhile is summarised by the next round.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from sqlalchemy import Connection, Engine, bindparam, delete, insert, select, text
+
+from models import DirtyMinute, LatencyHistogram, SlowRequest, TrafficSummary, UTCDateTime
+
+from . import histogram, lease
+from .sql import Spelling
+
+LATENCIES = ("queue_wait", "ttft", "tpot", "e2e")
+FINE = 10                     # seconds per slot computed from the records
+LEVELS = (FINE, 60, 900, 3600)
+PARENTS = ((900, 60), (3600, 900))   # (level, the level it is merged from)
+SLOWEST_PER_MINUTE = 10
+MINUTES_PER_ROUND = 30
+JOB = "rollup"
+
+
+@dataclass
+class Slot:
+    """The figures of one time slot: one histogram per latency, counts and sums."""
+
+    histograms: dict[str, Counter] = field(default_factory=lambda: {m: Counter() for m in LATENCIES})
+    requests: int = 0
+    finish_reasons: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    batch_size_sum: float = 0.0
+    batch_size_count: int = 0
+
+    def add(self, other: Slot) -> None:
+        for name in LATENCIES:
+            self.histograms[name].update(other.histograms[name])
+        self.requests += other.requests
+        self.finish_reasons.update(other.finish_reasons)
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+        self.cached_tokens += other.cached_tokens
+        self.batch_size_sum += other.batch_size_sum
+        self.batch_size_count += other.batch_size_count
+
+
+def _utc(seconds: int) -> datetime:
+    return datetime.fromtimestamp(seconds, tz=UTC)
+
+
+def _runs(minutes: Iterable[int]) -> list[tuple[int, int]]:
+    """Contiguous runs [first, last] of the sorted minutes."""
+    runs: list[tuple[int, int]] = []
+    for m in sorted(minutes):
+        if runs and m == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], m)
+        else:
+            runs.append((m, m))
+    return runs
+
+
+def _range(sql: str) -> text:
+    return text(sql).bindparams(bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
+
+
+class Queries:
+    """The aggregate queries over one range of finished_at, in the dialect's spelling."""
+
+    def __init__(self, dialect: str) -> None:
+        s = Spelling(dialect)
+        slot = f"({s.seconds('finished_at')} / {FINE} * {FINE})"
+        where = "finished_at >= :lo AND finished_at < :hi"
+        self.histograms = {}
+        for name in LATENCIES:
+            expr, defined = s.latency(name)
+            self.histograms[name] = _range(
+                f"SELECT slot, b, count(*) FROM (SELECT {slot} AS slot, {histogram.sql_bucket(expr)} AS b "
+                f"FROM request_records WHERE {where} AND {defined}) AS v GROUP BY slot, b")
+        self.traffic = _range(
+            f"SELECT {slot} AS slot, finish_reason, count(*), sum(prompt_tokens), sum(completion_tokens), "
+            f"sum(cached_tokens), sum(batch_size), count(batch_size) FROM request_records WHERE {where} "
+            f"GROUP BY {slot}, finish_reason")
+        minute, e2e = f"({s.seconds('finished_at')} / 60)", s.latency("e2e")[0]
+        self.slowest = _range(
+            f"SELECT minute, request_id, e2e FROM (SELECT {minute} AS minute, request_id, {e2e} AS e2e, "
+            f"row_number() OVER (PARTITION BY {minute} ORDER BY {e2e} DESC, request_id) AS n "
+            f"FROM request_records WHERE {where}) AS ranked WHERE n <= {SLOWEST_PER_MINUTE}")
+
+
+def compute(conn: Connection, minutes: Iterable[int]) -> tuple[dict[tuple[int, int], Slot], list[dict]]:
+    """The 10-second and 1-minute slots and the slowest requests of these minutes, from their records."""
+    q = Queries(conn.dialect.name)
+    slots: dict[tuple[int, int], Slot] = {}
+    slow: list[dict] = []
+    for first, last in _runs(minutes):
+        span = {"lo": _utc(first * 60), "hi": _utc((last + 1) * 60)}
+        for name in LATENCIES:
+            for start, b, n in conn.execute(q.histograms[name], span):
+                slots.setdefault((FINE, int(start)), Slot()).histograms[name][int(b)] += n
+        for start, reason, n, prompt, completion, cached, batch_sum, batch_n in conn.execute(q.traffic, span):
+            slot = slots.setdefault((FINE, int(start)), Slot())
+            slot.requests += n
+            slot.finish_reasons[reason or "unknown"] += n
+            slot.prompt_tokens += prompt or 0
+            slot.completion_tokens += completion or 0
+            slot.cached_tokens += cached or 0
+            slot.batch_size_sum += batch_sum or 0.0
+            slot.batch_size_count += batch_n or 0
+        slow += [{"minute": int(m), "request_id": rid, "e2e": e2e} for m, rid, e2e in conn.execute(q.slowest, span)]
+    for (_, start), slot in list(slots.items()):
+        slots.setdefault((60, start // 60 * 60), Slot()).add(slot)
+    return slots, slow
+
+
+def _rows(level: int, start: int, slot: Slot) -> tuple[list[dict], dict]:
+    hists = [{"level": level, "start": start, "metric": name, "count": sum(h.values()),
+              "counts": histogram.encode(h)} for name, h in slot.histograms.items() if h]
+    traffic = {"level": level, "start": start, "requests": slot.requests,
+               "finish_reasons": json.dumps(dict(sorted(slot.finish_reasons.items()))),
+               "prompt_tokens": slot.prompt_tokens, "completion_tokens": slot.completion_tokens,
+               "cached_tokens": slot.cached_tokens, "batch_size_sum": slot.batch_size_sum,
+               "batch_size_count": slot.batch_size_count}
+    return hists, traffic
+
+
+def _replace(conn: Connection, level: int, starts: list[int], slots: dict[tuple[int, int], Slot]) -> None:
+    """Make the stored slots of `level` at `starts` equal `slots` (an empty slot is stored as no row)."""
+    if not starts:
+        return
+    for table in (LatencyHistogram, TrafficSummary):
+        conn.execute(delete(table).where(table.level == level, table.start.in_(starts)))
+    hists, traffic = [], []
+    for start in starts:
+        slot = slots.get((level, start))
+        if slot is not None and slot.requests:
+            h, t = _rows(level, start, slot)
+            hists += h
+            traffic.append(t)
+    if hists:
+        conn.execute(insert(LatencyHistogram), hists)
+    if traffic:
+        conn.execute(insert(TrafficSummary), traffic)
+
+
+def read_slots(conn: Connection, level: int, first: int, end: int) -> dict[int, Slot]:
+    """Stored slots of `level` with first <= start < end."""
+    out: dict[int, Slot] = {}
+    for start, metric, counts in conn.execute(
+            select(LatencyHistogram.start, LatencyHistogram.metric, LatencyHistogram.counts)
+            .where(LatencyHistogram.level == level, LatencyHistogram.start >= first, LatencyHistogram.start < end)):
+        out.setdefault(start, Slot()).histograms[metric] = histogram.decode(counts)
+    for row in conn.execute(select(TrafficSummary).where(TrafficSummary.level == level,
+                                                         TrafficSummary.start >= first, TrafficSummary.start < end)):
+        slot = out.setdefault(row.start, Slot())
+        slot.requests, slot.finish_reasons = row.requests, Counter(json.loads(row.finish_reasons))
+        slot.prompt_tokens, slot.completion_tokens, slot.cached_tokens = (row.prompt_tokens, row.completion_tokens,
+                                                                          row.cached_tokens)
+        slot.batch_size_sum, slot.batch_size_count = row.batch_size_sum, row.batch_size_count
+    return out
+
+
+def write(conn: Connection, minutes: list[int], slots: dict[tuple[int, int], Slot], slow: list[dict]) -> None:
+    """Replace every summary of these minutes, then the 15-minute and hour slots that contain them."""
+    if not minutes:
+        return
+    _replace(conn, FINE, [m * 60 + i for m in minutes for i in range(0, 60, FINE)], slots)
+    _replace(conn, 60, [m * 60 for m in minutes], slots)
+    conn.execute(delete(SlowRequest).where(SlowRequest.minute.in_(minutes)))
+    done = set(minutes)
+    rows = [r for r in slow if r["minute"] in done]
+    if rows:
+        conn.execute(insert(SlowRequest), rows)
+    for level, child in PARENTS:
+        starts = sorted({m * 60 // level * level for m in minutes})
+        merged: dict[tuple[int, int], Slot] = {}
+        for start in starts:
+            total = merged[(level, start)] = Slot()
+            for part in read_slots(conn, child, start, start + level).values():
+                total.add(part)
+        _replace(conn, level, starts, merged)
+
+
+def run_round(engine: Engine, holder: str, ttl_s: float, oldest_minute: int | None = None,
+              limit: int = MINUTES_PER_ROUND) -> int | None:
+    """Summarise up to `limit` dirty minutes, newest first. Returns how many were dirty (0: caught up), or None
+    when `holder` no longer holds the lease. Minutes before `oldest_minute` are left alone: retention has deleted
+    their records (and clears them from the queue), their summaries stay as they are."""
+    with engine.connect() as conn:
+        # Versions first, records after: whatever changed in between leaves a newer version behind.
+        query = select(DirtyMinute.minute, DirtyMinute.version).order_by(DirtyMinute.minute.desc()).limit(limit)
+        if oldest_minute is not None:
+            query = query.where(DirtyMinute.minute >= oldest_minute)
+        dirty = conn.execute(query).all()
+        if not dirty:
+            conn.rollback()
+            with engine.begin() as w:
+                lease.mark_ran(w, JOB)
+            return 0
+        slots, slow = compute(conn, [m for m, _ in dirty])
+        conn.rollback()
+    with engine.begin() as conn:
+        if not lease.renew(conn, holder, ttl_s):
+            return None
+        # Minutes a writer is changing right now are locked (PostgreSQL): skipped, never waited for, so a roll-up
+        # and a bulk load cannot deadlock; the writer leaves a newer version behind for the next round anyway.
+        seen = dict(dirty)
+        locked = conn.execute(select(DirtyMinute.minute, DirtyMinute.version)
+                              .where(DirtyMinute.minute.in_(list(seen))).order_by(DirtyMinute.minute)
+                              .with_for_update(skip_locked=True)).all()
+        done = [m for m, v in locked if seen.get(m) == v]
+        if done:
+            conn.execute(delete(DirtyMinute).where(DirtyMinute.minute.in_(done)))
+        write(conn, done, slots, slow)
+        lease.mark_ran(conn, JOB)
+    return len(dirty)
+
+
+def catch_up(engine: Engine, holder: str, ttl_s: float, budget_s: float, oldest_minute: int | None = None,
+             limit: int = MINUTES_PER_ROUND) -> bool | None:
+    """Rounds until nothing is dirty (True) or `budget_s` is spent (False); None if the lease was lost."""
+    deadline = time.monotonic() + budget_s
+    while True:
+        n = run_round(engine, holder, ttl_s, oldest_minute, limit)
+        if n is None:
+            return None
+        if n < limit:   # fewer than a full round: whatever is dirty now was written while this round ran
+            return True
+        if time.monotonic() > deadline:
+            return False
+
+
+def summarise(engine: Engine, holder: str = "summarise", ttl_s: float = 60.0) -> None:
+    """Everything dirty summarised now, by `holder` (tests, benchmarks, a one-off run): waits for the lease."""
+    while not lease.acquire(engine, holder, ttl_s):
+        time.sleep(0.1)
+    try:
+        while catch_up(engine, holder, ttl_s, budget_s=ttl_s / 3) is not True:
+            if not lease.acquire(engine, holder, ttl_s):
+                raise RuntimeError("lost the housekeeping lease")
+    finally:
+        lease.release(engine, holder)

@@ -306,6 +306,31 @@ def test_same_seed_same_output_whatever_shares_the_batch(tiny):
     assert run(0, seed=8) != alone
 
 
+def test_seeded_request_is_batch_independent_in_any_arrival_order_and_unseeded_ones_vary(tiny):
+    model, tok = tiny
+    mine = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, repetition_penalty=1.3, seed=11,
+                          max_new_tokens=16, ignore_eos=True)
+    unseeded = SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True)
+
+    def run(before: int, after: int) -> dict[str, list[int]]:
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=96))
+        for j in range(before):
+            engine.add_request(f"b{j}", prompt_token_ids=chat_ids(tok, QUESTIONS[j]), params=unseeded)
+        engine.add_request("me", prompt_token_ids=chat_ids(tok, "Recommend a teapot"), params=mine)
+        for j in range(after):
+            engine.add_request(f"a{j}", prompt_token_ids=chat_ids(tok, QUESTIONS[j]),
+                               params=SamplingParams(temperature=0.0, max_new_tokens=10))
+        return {rid: r.token_ids for rid, r in run_all(engine)[0].items()}
+
+    alone = run(0, 0)["me"]
+    first, second = run(2, 1), run(1, 2)
+    assert first["me"] == second["me"] == alone
+    # Same prompt, same parameters, no seed: drawn differently each time.
+    assert first["b0"] != second["b0"]
+    # Greedy batch mates are unaffected by sampled ones.
+    assert first["a0"] == second["a0"]
+
+
 def test_greedy_with_repetition_penalty_matches_generate(tiny, ref_model):
     model, tok = tiny
     ids = chat_ids(tok, QUESTIONS[3])
@@ -508,10 +533,10 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where
     elif where == "sampling":
         sample = engine.sampler.__call__
 
-        def sample_failing_with_bad(logits, params, history, generators):
+        def sample_failing_with_bad(logits, params, history, seeds):
             if any(h is bad.token_ids for h in history):
                 raise RuntimeError("forced failure")
-            return sample(logits, params, history, generators)
+            return sample(logits, params, history, seeds)
         monkeypatch.setattr(engine, "sampler", sample_failing_with_bad)
     else:
         def push_failing(ids):

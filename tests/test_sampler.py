@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import (
     RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
@@ -14,7 +15,8 @@ from transformers.generation.logits_process import (
 )
 
 from worker.engine import sampler as sampler_module
-from worker.engine.sampler import Sampler, apply_processors, make_generator
+from worker.engine.sampler import (CPU_CANDIDATES, Sampler, apply_processors, mix32, random_seed, seed_keys,
+                                   uniforms)
 from worker.engine.sampling_params import InvalidParamsError, SamplingParams
 
 VOCAB = 64
@@ -171,58 +173,128 @@ def test_apply_processors_returns_new_float32_tensor() -> None:
 
 # --- sampler ---------------------------------------------------------------------------
 
+FULL = dict(temperature=0.8, top_k=20, top_p=0.9, repetition_penalty=1.3)
 
-def draw_sequence(
-    target: SamplingParams, others: list[SamplingParams], position: int, steps: int = 30
-) -> list[int]:
-    """Sample `steps` tokens for `target` while it shares the batch with `others`."""
-    batch = others[:position] + [target] + others[position:]
-    generators = [make_generator(p.seed, "cpu") for p in batch]
-    sampler = Sampler()
-    tokens = []
+
+def peaked_logits(batch: int, vocab: int, seed: int) -> torch.Tensor:
+    """Logits shaped like a language model's: a few likely tokens, a long tail (Zipf-like), shuffled."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    rows = [(-1.3 * ranks.log())[torch.randperm(vocab, generator=g)] for _ in range(batch)]
+    return torch.stack(rows) + torch.randn(batch, vocab, generator=g) * 0.1
+
+
+def decode(target: SamplingParams, seed: int, mates: list[tuple[SamplingParams, int]], position: int,
+           vocab: int = 512, steps: int = 25, sampler: Sampler | None = None) -> list[int]:
+    """Decode `steps` tokens for `target` at `position` among `mates`; its logits depend only on its own history."""
+    sampler = sampler or Sampler()
+    rows = mates[:position] + [(target, seed)] + mates[position:]
+    histories = [[(7 * i + j) % vocab for j in range(5 + 3 * i)] for i in range(len(rows))]
+    histories[position] = [1, 2, 3, 2, 1]
+    out = []
     for step in range(steps):
-        logits = random_logits(len(batch), seed=100 + step, scale=0.5)
-        # The target row sees the same logits whatever its position or batch size.
-        logits[position] = random_logits(1, seed=1000 + step, scale=0.5)[0]
-        out = sampler(logits, batch, [[]] * len(batch), generators)
-        tokens.append(int(out[position]))
-    return tokens
+        logits = peaked_logits(len(rows), vocab, seed=10_000 + step)
+        # Flat (near-uniform) logits for the mates at odd steps force top-p past the candidates.
+        if step % 2:
+            logits = logits * 0.01
+        own = histories[position]
+        logits[position] = peaked_logits(1, vocab, seed=sum(own) * 131 + len(own))[0]
+        tokens = sampler(logits, [p for p, _ in rows], histories, [s for _, s in rows]).tolist()
+        for history, token in zip(histories, tokens):
+            history.append(token)
+        out.append(tokens[position])
+    return out
 
 
-def test_same_seed_reproduces_regardless_of_batch_mates() -> None:
-    target = SamplingParams(temperature=1.0, seed=1234)
-    alone = draw_sequence(target, [], position=0)
-    crowded = draw_sequence(
-        target,
-        [SamplingParams(seed=1), SamplingParams(temperature=0), SamplingParams(top_k=3, seed=9)],
-        position=2,
-    )
-    other_mates = draw_sequence(target, [SamplingParams(temperature=0.3, top_p=0.5)], position=1)
-    assert alone == crowded == other_mates
+MATES = [
+    (SamplingParams(temperature=1.0), 1),                                   # whole-row draw
+    (SamplingParams(temperature=0), 2),                                     # greedy
+    (SamplingParams(top_p=0.99, temperature=2.0), 3),                       # cut-off beyond the candidates
+    (SamplingParams(top_k=3, repetition_penalty=0.5), 4),
+    (SamplingParams(temperature=0, repetition_penalty=2.0), 5),             # greedy with a penalty
+]
+
+
+def test_same_seed_gives_same_tokens_alone_or_in_any_batch() -> None:
+    target = SamplingParams(**FULL)
+    alone = decode(target, 1234, [], 0)
+    assert len(set(alone)) > 3
+    for position, mates in [(2, MATES), (0, MATES[::-1]), (1, MATES[1:2]), (3, MATES[2:] + MATES[:1])]:
+        assert decode(target, 1234, mates, position) == alone, (position, mates)
+    # Other paths through the sampler: forced full sorts on CPU.
+    assert decode(target, 1234, MATES, 4, sampler=Sampler(cpu_candidates=0)) == alone
+
+
+def test_same_seed_plain_temperature_is_batch_independent() -> None:
+    target = SamplingParams(temperature=1.2)
+    alone = decode(target, 99, [], 0)
+    assert decode(target, 99, MATES, 3) == alone
+    assert decode(target, 99, MATES[::-1], 1) == alone
 
 
 def test_different_seeds_give_different_samples() -> None:
-    first = draw_sequence(SamplingParams(seed=1), [], position=0)
-    second = draw_sequence(SamplingParams(seed=2), [], position=0)
-    # 30 draws from near-uniform logits over 64 tokens: a full match is essentially impossible.
+    first = decode(SamplingParams(temperature=1.5), 1, [], 0)
+    second = decode(SamplingParams(temperature=1.5), 2, [], 0)
     assert first != second
 
 
-def sample_many(logits_row: torch.Tensor, params: SamplingParams, rows: int, rounds: int) -> torch.Tensor:
-    logits = logits_row.expand(rows, -1).clone()
-    batch = [params] * rows
-    generators = [make_generator(seed, "cpu") for seed in range(rows)]
-    sampler = Sampler()
-    return torch.cat([sampler(logits, batch, [[]] * rows, generators) for _ in range(rounds)])
+def test_uniforms_are_uniform_and_independent_across_positions_and_seeds() -> None:
+    seeds = torch.arange(0, 400, dtype=torch.int64).repeat_interleave(250)
+    positions = torch.arange(250, dtype=torch.int64).repeat(400)
+    keys = [seed_keys(int(s)) for s in range(400)]
+    key_a = torch.tensor([a for a, _ in keys]).repeat_interleave(250)
+    key_b = torch.tensor([b for _, b in keys]).repeat_interleave(250)
+    u = uniforms(key_a, key_b, positions)
+    assert u.dtype == torch.float32 and bool((u >= 0).all()) and bool((u < 1).all())
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert bool((counts - 10_000).abs().max() < 500), counts   # sd of a bin: about 95
+    grid = u.view(400, 250)
+    # Neighbouring positions of one seed, and neighbouring seeds at one position, are uncorrelated.
+    for a, b in ((grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])):
+        corr = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(corr)) < 0.02, float(corr)
+    # Seeds above 32 bits matter in both halves.
+    assert seed_keys(1) != seed_keys(1 + 2**32) != seed_keys(2**62 + 1)
+    assert mix32(0) == mix32(0) and 0 <= mix32(2**32 - 1) < 2**32
+
+
+def expected_probs(logits_row: torch.Tensor, params: SamplingParams, history: list[int]) -> torch.Tensor:
+    procs: list = [RepetitionPenaltyLogitsProcessor(params.repetition_penalty), TemperatureLogitsWarper(params.temperature)]
+    if params.top_k > 0:
+        procs.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(params.top_p))
+    return torch.softmax(hf_row(procs, history, logits_row).double(), dim=-1)
+
+
+@pytest.mark.parametrize("config", [
+    dict(temperature=0.7),
+    dict(temperature=1.5, top_k=6),
+    dict(temperature=1.0, top_p=0.7),
+    dict(temperature=0.9, top_k=8, top_p=0.85, repetition_penalty=1.8),
+    dict(temperature=1.3, repetition_penalty=0.6),
+], ids=["temperature", "top-k", "top-p", "all", "penalty-below-one"])
+@pytest.mark.parametrize("candidates", [CPU_CANDIDATES, 0], ids=["candidates", "full-sort"])
+def test_draw_frequencies_match_transformers_processors(config: dict, candidates: int) -> None:
+    params = SamplingParams(**config)
+    vocab, rows = 24, 40_000
+    logits_row = random_logits(1, vocab=vocab, seed=5, scale=1.5)[0]
+    history = [0, 3, 3, 7, 11]
+    want = expected_probs(logits_row, params, history)
+    got = Sampler(candidates)(logits_row.expand(rows, -1), [params] * rows, [history] * rows, list(range(rows)))
+    freq = torch.bincount(got, minlength=vocab).double() / rows
+    assert set(got.unique().tolist()) <= set(torch.nonzero(want).flatten().tolist())
+    assert bool((freq[want == 0] == 0).all())
+    # sd of a frequency is at most 0.0025 here; 0.012 is about five of them.
+    assert float((freq - want).abs().max()) < 0.012, (freq, want)
 
 
 def test_top_k_only_samples_from_top_k() -> None:
     logits_row = random_logits(1, seed=7, scale=0.5)[0]
-    draws = sample_many(logits_row, SamplingParams(top_k=5), rows=200, rounds=10)
+    params = SamplingParams(top_k=5)
+    draws = Sampler()(logits_row.expand(2000, -1), [params] * 2000, [[1]] * 2000, list(range(2000)))
     allowed = set(torch.topk(logits_row, 5).indices.tolist())
-    seen = set(draws.tolist())
-    assert seen <= allowed
-    assert seen == allowed  # 2000 draws over 5 similar tokens should hit each one
+    assert set(draws.tolist()) == allowed  # 2000 draws over 5 similar tokens hit each one
 
 
 def nucleus(logits_row: torch.Tensor, top_p: float) -> set[int]:
@@ -238,56 +310,139 @@ def nucleus(logits_row: torch.Tensor, top_p: float) -> set[int]:
     return kept
 
 
-def test_top_p_only_samples_from_nucleus() -> None:
-    logits_row = random_logits(1, seed=11, scale=1.0)[0]
+@pytest.mark.parametrize("vocab", [VOCAB, 4096])
+def test_top_p_only_samples_from_nucleus(vocab: int) -> None:
+    logits_row = peaked_logits(1, vocab, seed=11)[0] if vocab > VOCAB else random_logits(1, seed=11, scale=1.0)[0]
     expected = nucleus(logits_row, 0.5)
-    assert 1 < len(expected) < VOCAB // 2
-    draws = sample_many(logits_row, SamplingParams(top_p=0.5), rows=200, rounds=10)
+    assert 1 < len(expected) < vocab // 2
+    params = SamplingParams(top_p=0.5)
+    draws = Sampler()(logits_row.expand(2000, -1), [params] * 2000, [[1]] * 2000, list(range(2000)))
     seen = set(draws.tolist())
     assert seen <= expected
     assert len(seen) > 1
 
 
-def test_greedy_rows_return_argmax_in_mixed_batch() -> None:
-    logits = random_logits(4, scale=0.1)
+def test_greedy_rows_return_exact_argmax_in_mixed_batch() -> None:
+    logits = random_logits(5, scale=0.1)
     params = [
         SamplingParams(temperature=0),
-        SamplingParams(temperature=1.0, seed=3),
+        SamplingParams(temperature=1.0, top_p=0.3),
         SamplingParams(temperature=0, top_k=2),
-        SamplingParams(temperature=2.0, seed=4),
+        SamplingParams(temperature=2.0, repetition_penalty=1.5),
+        SamplingParams(temperature=0, repetition_penalty=3.0),
     ]
-    generators = [make_generator(p.seed, "cpu") for p in params]
-    out = Sampler()(logits, params, [[]] * 4, generators)
-    assert out.dtype == torch.int64 and out.shape == (4,)
+    histories = [[1, 2], [3], [4, 4], [5], [int(logits[4].argmax())]]
+    out = Sampler()(logits, params, histories, [1, 2, 3, 4, 5])
+    assert out.dtype == torch.int64 and out.shape == (5,)
     assert int(out[0]) == int(logits[0].argmax())
     assert int(out[2]) == int(logits[2].argmax())
+    penalised = hf_row([RepetitionPenaltyLogitsProcessor(3.0)], histories[4], logits[4])
+    assert int(out[4]) == int(penalised.argmax()) != int(logits[4].argmax())
 
 
 def test_greedy_with_repetition_penalty_uses_penalised_logits() -> None:
     logits = torch.tensor([[0.1, 4.0, 3.0, -1.0]])
     params = [SamplingParams(temperature=0, repetition_penalty=2.0)]
-    out = Sampler()(logits, params, [[1, 1, 3]], [make_generator(0, "cpu")])
+    out = Sampler()(logits, params, [[1, 1, 3]], [0])
     # Token 1 (4.0) drops to 2.0 after the penalty, so token 2 (3.0) wins.
     assert int(out[0]) == 2
-    assert int(out[0]) != int(logits[0].argmax())
 
 
-def test_fast_path_is_plain_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_all_greedy_batch_is_plain_argmax(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*_args: object, **_kwargs: object) -> torch.Tensor:
-        raise AssertionError("fast path must not run the processors")
+        raise AssertionError("the all-greedy path must not run the processors")
 
-    monkeypatch.setattr(sampler_module, "apply_processors", fail)
+    monkeypatch.setattr(sampler_module, "processed", fail)
     logits = random_logits(6)
-    params = [SamplingParams(temperature=0)] * 6
-    out = Sampler()(logits, params, [[1, 2]] * 6, [make_generator(0, "cpu")] * 6)
+    out = Sampler()(logits, [SamplingParams(temperature=0)] * 6, [[1, 2]] * 6, [0] * 6)
     assert torch.equal(out, logits.argmax(dim=-1))
 
 
-def test_make_generator_seeding() -> None:
-    a = torch.rand(4, generator=make_generator(42, "cpu"))
-    b = torch.rand(4, generator=make_generator(42, "cpu"))
-    assert torch.equal(a, b)
-    assert make_generator(None, "cpu").initial_seed() != make_generator(None, "cpu").initial_seed()
+def test_penalty_history_follows_rows_that_join_leave_and_move() -> None:
+    vocab = 50
+    sampler = Sampler()
+    g = torch.Generator().manual_seed(3)
+    histories = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 9, 1, 30)]
+    params = [SamplingParams(temperature=0, repetition_penalty=p) for p in (1.5, 0.5, 2.0, 3.0)]
+    batches = [[0, 1, 2, 3], [0, 1, 2, 3], [3, 1], [2, 0, 3], [1, 2, 3, 0], [1]]
+    for step, rows in enumerate(batches):
+        logits = random_logits(len(rows), vocab=vocab, seed=step)
+        out = sampler(logits, [params[r] for r in rows], [histories[r] for r in rows], rows)
+        for i, r in enumerate(rows):
+            want = hf_row([RepetitionPenaltyLogitsProcessor(params[r].repetition_penalty)], histories[r], logits[i])
+            assert int(out[i]) == int(want.argmax()), (step, r)
+            histories[r].append(int(out[i]))
+    assert sampler.history.ids.shape[1] >= len(histories[1])
+
+
+def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    taken = []
+    draw = sampler_module.draw_candidates
+    monkeypatch.setattr(sampler_module, "draw_candidates", lambda *a: taken.append(1) or draw(*a))
+    vocab, rows = 4096, 64
+    logits = peaked_logits(rows, vocab, seed=21)
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=k, repetition_penalty=1.2) for k in (0, 40) * 32]
+    histories = [[i, i + 1, 2 * i] for i in range(rows)]
+    seeds = list(range(rows))
+    fast = Sampler()(logits, params, histories, seeds)
+    assert taken, "peaked logits keep every nucleus among the candidates"
+    full = Sampler(cpu_candidates=0)(logits, params, histories, seeds)
+    assert torch.equal(fast, full)
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kinds", [
+    [SamplingParams(**FULL)],
+    [SamplingParams(temperature=0.9)],
+    [SamplingParams(**FULL), SamplingParams(temperature=0), SamplingParams(temperature=1.1, top_p=0.8)],
+], ids=["all-processors", "temperature", "mixed"])
+def test_tensor_ops_per_call_do_not_grow_with_the_batch(kinds: list[SamplingParams]) -> None:
+    def ops(rows: int) -> list[str]:
+        params = [kinds[i % len(kinds)] for i in range(rows)]
+        histories = [[1, 2, 3 + i] for i in range(rows)]
+        logits = peaked_logits(rows, 2048, seed=rows)
+        sampler = Sampler()
+        sampler(logits, params, histories, list(range(rows)))   # builds the per-row tensors
+        for h in histories:
+            h.append(5)
+        with OpCounter() as counter:
+            sampler(logits, params, histories, list(range(rows)))
+        return counter.ops
+
+    small, large = ops(6), ops(96)
+    assert small == large
+    assert not any("multinomial" in op for op in small)
+
+
+def test_per_row_tensors_are_built_once_per_set_of_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    builds = []
+    build = sampler_module.RowParams.build.__func__
+    monkeypatch.setattr(sampler_module.RowParams, "build",
+                        classmethod(lambda cls, *a: builds.append(1) or build(cls, *a)))
+    params = [SamplingParams(**FULL), SamplingParams(temperature=0.5)]
+    histories = [[1], [2]]
+    sampler = Sampler()
+    for _ in range(3):
+        sampler(random_logits(2), params, histories, [1, 2])
+        for h in histories:
+            h.append(3)
+    assert len(builds) == 1
+    sampler(random_logits(1), params[:1], histories[:1], [1])
+    assert len(builds) == 2
+
+
+def test_random_seed_is_random_and_in_range() -> None:
+    seeds = {random_seed() for _ in range(8)}
+    assert len(seeds) == 8 and all(0 <= s < 2**63 for s in seeds)
 
 
 # --- validation ------------------------------------------------------------------------

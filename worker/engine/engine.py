@@ -13,7 +13,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, context_length
 from .outputs import EngineStats, Event, RequestFinished, TokenDelta
-from .sampler import Sampler, make_generator
+from .sampler import Sampler, random_seed
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler
 from .sequence import Sequence, Status
@@ -127,7 +127,7 @@ class LLMEngine:
                 "Shorten the prompt or give the engine a larger KV cache.")
         return Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
                         arrival_time=arrival_time or time.time(),
-                        generator=make_generator(params.seed, self.device),
+                        seed=params.seed if params.seed is not None else random_seed(),
                         detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
 
     # ---- synchronous API: the caller drives step() -------------------------------------------
@@ -203,7 +203,7 @@ class LLMEngine:
             return []
         try:
             tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                                  [s.generator for s in sampling]).tolist()
+                                  [s.seed for s in sampling]).tolist()
         except Exception:
             log.exception("sampling failed; sampling each request alone")
             return self._sample_one_by_one(sampling, logits)
@@ -213,7 +213,7 @@ class LLMEngine:
         events, ok, tokens = [], [], []
         for seq, row in zip(sampling, logits):
             try:
-                tokens.append(self.sampler(row[None], [seq.params], [seq.token_ids], [seq.generator]).item())
+                tokens.append(self.sampler(row[None], [seq.params], [seq.token_ids], [seq.seed]).item())
                 ok.append(seq)
             except Exception as exc:
                 events += self._fail(seq, exc)

@@ -1,153 +1,361 @@
-"""Batched next-token selection where every row carries its own sampling parameters."""
+"""Next-token selection for the whole batch on the device: per-row processors and seeded draws in a fixed number of kernels."""
 
 from __future__ import annotations
 
-import itertools
+import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
 
 import torch
 
 from worker.engine.sampling_params import SamplingParams
 
-_FILTERED = float("-inf")
+# On CPU the top-k/top-p cut-off is looked for among this many best tokens first (a partial sort); rows whose
+# cut-off lies further down fall back to a full sort. Devices where a full sort is cheap always sort.
+CPU_CANDIDATES = 256
+MAX_CANDIDATES = 1024
+_M32 = 0xFFFFFFFF
 
 
-def apply_processors(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    histories: Sequence[Sequence[int]],
-) -> torch.Tensor:
-    """Apply repetition penalty, temperature, top-k and top-p in transformers' order.
+def random_seed() -> int:
+    """A seed for a request that brought none: its draws are then still random, and still batch-independent."""
+    return secrets.randbits(63)
 
-    Returns a new float32 tensor; `logits` is left untouched. Greedy rows only get the
-    repetition penalty, matching `generate(do_sample=False)`, which skips the warpers.
+
+def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a device tensor; on CUDA through pinned memory, so the copy does not wait for the stream."""
+    tensor = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+# ---- counter-based randomness: one uniform per (seed, position), the same in any batch ------------------------
+
+def _mul32(x, c: int):
+    """(x * c) mod 2**32 for 0 <= x < 2**32, without overflowing int64 (works on ints and int64 tensors)."""
+    return (x * (c & 0xFFFF) + ((x * (c >> 16)) & 0xFFFF) * 65536) & _M32
+
+
+def mix32(x):
+    """A 32-bit integer hash (Wellons' lowbias32); x must lie in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seed_keys(seed: int) -> tuple[int, int]:
+    """Two 32-bit keys from a 63-bit seed, computed once per request on the host."""
+    lo, hi = seed & _M32, (seed >> 32) & _M32
+    a = mix32(lo ^ mix32(hi ^ 0x9E3779B9))
+    return a, mix32(a ^ 0x85EBCA6B)
+
+
+def uniforms(key_a: torch.Tensor, key_b: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One float32 in [0, 1) per row from its keys and the position of the token being drawn."""
+    h = mix32(mix32((positions & _M32) ^ key_a) ^ key_b)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+# ---- per-row parameters, built once per set of requests ----------------------------------------------------------
+
+@dataclass
+class RowParams:
+    """The batch's sampling parameters as [rows, 1] tensors, plus what the host must know to pick kernels."""
+
+    greedy: torch.Tensor        # bool [R]
+    temperature: torch.Tensor   # float32 [R, 1], 1 for greedy rows
+    top_k: torch.Tensor         # int64 [R, 1], the vocab size where off
+    top_p: torch.Tensor         # float32 [R, 1], inf where off
+    penalty: torch.Tensor       # float32 [R, 1], 1 where off
+    restricted: torch.Tensor    # bool [R, 1]: a sampled row with top-k or top-p
+    has_top_k: torch.Tensor     # bool [R, 1]
+    key_a: torch.Tensor         # int64 [R]
+    key_b: torch.Tensor         # int64 [R]
+    penalised: list[bool]
+    all_greedy: bool
+    any_greedy: bool
+    any_penalty: bool
+    any_temperature: bool
+    any_filter: bool
+    any_top_p: bool
+    any_top_p_without_top_k: bool
+    max_top_k: int
+
+    @classmethod
+    def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], vocab: int,
+              device: torch.device) -> RowParams:
+        greedy = [p.greedy for p in params]
+        temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
+        top_k = [min(p.top_k, vocab) if not g and p.top_k > 0 else vocab for p, g in zip(params, greedy)]
+        top_p_on = [not g and p.top_p < 1.0 for p, g in zip(params, greedy)]
+        top_p = [float(p.top_p) if on else float("inf") for p, on in zip(params, top_p_on)]
+        penalty = [float(p.repetition_penalty) for p in params]
+        has_k = [k < vocab for k in top_k]
+        restricted = [k or p for k, p in zip(has_k, top_p_on)]
+        keys = [seed_keys(s) for s in seeds]
+        column = dict(dtype=torch.float32, device=device)
+        return cls(
+            greedy=upload(greedy, torch.bool, device),
+            temperature=upload(temps, **column).unsqueeze(1),
+            top_k=upload(top_k, torch.int64, device).unsqueeze(1),
+            top_p=upload(top_p, **column).unsqueeze(1),
+            penalty=upload(penalty, **column).unsqueeze(1),
+            restricted=upload(restricted, torch.bool, device).unsqueeze(1),
+            has_top_k=upload(has_k, torch.bool, device).unsqueeze(1),
+            key_a=upload([a for a, _ in keys], torch.int64, device),
+            key_b=upload([b for _, b in keys], torch.int64, device),
+            penalised=[p != 1.0 for p in penalty],
+            all_greedy=all(greedy),
+            any_greedy=any(greedy),
+            any_penalty=any(p != 1.0 for p in penalty),
+            any_temperature=any(t != 1.0 for t in temps),
+            any_filter=any(restricted),
+            any_top_p=any(top_p_on),
+            any_top_p_without_top_k=any(p and not k for p, k in zip(top_p_on, has_k)),
+            max_top_k=max((k for k in top_k if k < vocab), default=0),
+        )
+
+    def select(self, index: torch.Tensor) -> RowParams:
+        """These rows only; the host-side flags stay those of the whole batch."""
+        picked = {f.name: getattr(self, f.name).index_select(0, index) for f in fields(self)
+                  if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **picked)
+
+
+class TokenHistory:
+    """Each row's history as a padded [rows, width] id tensor on the device, kept across calls.
+
+    Histories are append-only lists (a sequence's token ids); each call uploads only what was appended since the
+    last one, and rows that stay in the batch keep theirs when others join or leave. Padding, and ids beyond the
+    logits' vocab (an embedding larger than lm_head: they cannot be generated), point at a spare column.
+    """
+
+    def __init__(self) -> None:
+        self.histories: list[list[int]] = []
+        self.keys: list[int] = []
+        self.filled: list[int] = []
+        self.ids: torch.Tensor | None = None
+        self.vocab = 0
+
+    def update(self, histories: Sequence[list[int]], wanted: Sequence[bool], vocab: int,
+               device: torch.device) -> torch.Tensor:
+        keys = [id(h) for h in histories]
+        old = self.ids if self.ids is not None and self.ids.device == device and self.vocab == vocab else None
+        if old is not None and keys == self.keys:
+            ids, filled = old, self.filled
+        else:
+            width = old.shape[1] if old is not None else 64
+            ids = torch.full((len(histories), width), vocab, dtype=torch.int64, device=device)
+            filled = [0] * len(histories)
+            if old is not None:
+                # `self.histories` holds the old lists, so an id seen there still names the same list.
+                where = {key: i for i, key in enumerate(self.keys)}
+                kept_new, kept_old = [], []
+                for i, key in enumerate(keys):
+                    j = where.get(key)
+                    if j is not None and self.filled[j] <= len(histories[i]):
+                        kept_new.append(i)
+                        kept_old.append(j)
+                        filled[i] = self.filled[j]
+                if kept_new:
+                    ids[upload(kept_new, torch.int64, device)] = old[upload(kept_old, torch.int64, device)]
+        rows: list[int] = []
+        cols: list[int] = []
+        tokens: list[int] = []
+        for i, history in enumerate(histories):
+            n = len(history)
+            if not wanted[i] or n == filled[i]:
+                continue
+            if n < filled[i]:   # not append-only after all: rewrite this row
+                ids[i] = vocab
+                filled[i] = 0
+            tokens.extend(history[filled[i]:])
+            rows.extend([i] * (n - filled[i]))
+            cols.extend(range(filled[i], n))
+            filled[i] = n
+        if tokens:
+            need = max(cols) + 1
+            if need > ids.shape[1]:
+                grown = torch.full((ids.shape[0], max(need, 2 * ids.shape[1])), vocab, dtype=torch.int64,
+                                   device=device)
+                grown[:, :ids.shape[1]] = ids
+                ids = grown
+            index = upload([rows, cols, tokens], torch.int64, device)
+            ids[index[0], index[1]] = index[2].clamp(0, vocab)
+        self.histories, self.keys, self.filled, self.ids, self.vocab = list(histories), keys, filled, ids, vocab
+        return ids
+
+
+# ---- the processors, as whole-batch tensor ops ---------------------------------------------------------------------
+
+def penalise_(padded: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> None:
+    """transformers' repetition penalty, in place on [rows, vocab + 1] scores: the seen tokens' negative scores
+    times it, the others divided. A token seen twice is gathered twice and gets the same value twice."""
+    seen = padded.gather(1, ids)
+    padded.scatter_(1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
+
+
+def processed(logits: torch.Tensor, rows: RowParams, history: TokenHistory,
+              histories: Sequence[list[int]]) -> torch.Tensor:
+    """float32 scores after the repetition penalty (a new tensor then, else `logits` itself when float32)."""
+    if not rows.any_penalty:
+        return logits.float()
+    vocab = logits.shape[1]
+    padded = torch.empty(logits.shape[0], vocab + 1, dtype=torch.float32, device=logits.device)
+    padded[:, :vocab] = logits
+    penalise_(padded, history.update(histories, rows.penalised, vocab, logits.device), rows.penalty)
+    return padded[:, :vocab]
+
+
+@dataclass
+class Cutoff:
+    """Each row's lowest kept score after top-k and top-p, and the best `width` tokens it was found among."""
+
+    threshold: torch.Tensor   # [R, 1]; -inf for rows without top-k or top-p
+    values: torch.Tensor      # [R, width], descending
+    indices: torch.Tensor     # [R, width]
+    weights: torch.Tensor     # [R, width]: exp(values - row max)
+    unknown: torch.Tensor     # bool [R, 1]: the cut-off may lie beyond `width` (only when width < vocab)
+
+
+def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: int) -> Cutoff:
+    """Top-k then top-p (transformers' order): keep rank r while r < k and the mass above r is below top_p.
+
+    Ties with the lowest kept score are kept, as transformers' top-k does.
+    """
+    vocab = scores.shape[1]
+    if width >= vocab:
+        values, indices = scores.sort(dim=-1, descending=True)
+    else:
+        values, indices = scores.topk(width, dim=-1)
+    weights = (values - row_max).exp_()
+    ranks = torch.arange(values.shape[1], device=scores.device)
+    keep = ranks < rows.top_k
+    if rows.any_top_p:
+        mass = weights.cumsum(dim=-1)
+        # Normaliser: the mass top-k kept (its last kept rank), or the whole row's without top-k.
+        total = mass.gather(1, (rows.top_k.clamp(max=values.shape[1]) - 1))
+        if rows.any_top_p_without_top_k:
+            row_total = (scores - row_max).exp_().sum(dim=-1, keepdim=True)
+            total = torch.where(rows.has_top_k, total, row_total)
+        keep &= (mass - weights) < rows.top_p * total
+    count = keep.sum(dim=-1, keepdim=True)
+    threshold = values.gather(1, count - 1)
+    threshold = threshold.masked_fill(~rows.restricted, float("-inf"))
+    unknown = rows.restricted & (rows.top_k > width) & (rows.has_top_k | (count == width))
+    return Cutoff(threshold, values, indices, weights, unknown)
+
+
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Column where each row's running weight first exceeds u times its total; never a zero-weight column."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    x = torch.minimum(u.unsqueeze(1) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, x, right=True).clamp_(max=weights.shape[1] - 1)
+
+
+def draw_full(scores: torch.Tensor, row_max: torch.Tensor, threshold: torch.Tensor | None,
+              u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw over the whole row in token-id order."""
+    weights = (scores - row_max).exp_()
+    if threshold is not None:
+        weights.masked_fill_(scores < threshold, 0.0)
+    return _inverse_cdf(weights, u).squeeze(1)
+
+
+def draw_candidates(cut: Cutoff, u: torch.Tensor) -> torch.Tensor:
+    """The same draw as `draw_full` when every kept token is a candidate: candidates put back in token-id order."""
+    weights = cut.weights.masked_fill(cut.values < cut.threshold, 0.0)
+    ids, order = cut.indices.sort(dim=-1)
+    column = _inverse_cdf(weights.gather(1, order), u)
+    return ids.gather(1, column).squeeze(1)
+
+
+def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
+                     histories: Sequence[list[int]]) -> torch.Tensor:
+    """Repetition penalty, temperature, top-k and top-p in transformers' order, as the sampler applies them.
+
+    Returns a new float32 tensor with filtered tokens at -inf; `logits` is left untouched. Greedy rows only get
+    the repetition penalty, matching `generate(do_sample=False)`, which skips the warpers.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(histories) != len(params):
         raise ValueError("logits must be [B, V] with one params entry and one history per row")
-    scores = logits.to(torch.float32, copy=True)
-    scores = _apply_repetition_penalty(scores, params, histories)
-    scores = _apply_temperature(scores, params)
-    return _apply_top_k_top_p(scores, params)
-
-
-def _apply_repetition_penalty(
-    scores: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[Sequence[int]]
-) -> torch.Tensor:
-    rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-    if not rows:
-        return scores
-    batch, vocab = scores.shape
-    device = scores.device
-    row_ids = torch.tensor(
-        list(itertools.chain.from_iterable([i] * len(histories[i]) for i in rows)),
-        dtype=torch.long,
-        device=device,
-    )
-    token_ids = torch.tensor(
-        list(itertools.chain.from_iterable(histories[i] for i in rows)), dtype=torch.long, device=device
-    )
-    # Ids beyond the logits' vocab (embedding larger than lm_head) cannot be generated, so
-    # transformers drops them; route them to a spare column that is cut off afterwards.
-    token_ids = token_ids.clamp(min=0, max=vocab)
-    seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
-    # Setting True twice is idempotent, which makes this "over the unique tokens".
-    seen[row_ids, token_ids] = True
-    seen = seen[:, :vocab]
-
-    penalty = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-    penalty = penalty.unsqueeze(1)
-    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-    return torch.where(seen, penalised, scores)
-
-
-def _apply_temperature(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    temps = [1.0 if p.greedy else float(p.temperature) for p in params]
-    if all(t == 1.0 for t in temps):
-        return scores
-    # Dividing by exactly 1.0 is bit-exact, so rows without a temperature stay untouched.
-    t = torch.tensor(temps, dtype=torch.float32, device=scores.device).unsqueeze(1)
-    return scores / t
-
-
-def _effective_top_k(p: SamplingParams, vocab: int) -> int:
-    if p.greedy or p.top_k <= 0:
-        return vocab
-    return min(p.top_k, vocab)
-
-
-def _apply_top_k_top_p(scores: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    vocab = scores.shape[1]
-    device = scores.device
-    top_k = [_effective_top_k(p, vocab) for p in params]
-    top_p_on = [not p.greedy and p.top_p < 1.0 for p in params]
-    use_top_k = any(k < vocab for k in top_k)
-    use_top_p = any(top_p_on)
-    if not use_top_k and not use_top_p:
-        return scores
-
-    # One ascending sort serves both filters: the k-th largest value sits at V - k, and
-    # top-p needs exactly this order to reproduce transformers' cumulative sums.
-    sorted_scores, sorted_idx = torch.sort(scores, dim=-1, descending=False)
-
-    remove = torch.zeros_like(scores, dtype=torch.bool)
-    if use_top_k:
-        kth_pos = torch.tensor([vocab - k for k in top_k], dtype=torch.long, device=device)
-        kth_value = sorted_scores.gather(1, kth_pos.unsqueeze(1))
-        # A disabled row points at its own minimum, so nothing compares below it.
-        remove |= scores < kth_value
-        # Masking keeps the order, so the sorted view of the top-k output is free.
-        sorted_scores = sorted_scores.masked_fill(sorted_scores < kth_value, _FILTERED)
-
-    if use_top_p:
-        cum_probs = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
-        # 1 - top_p in double, then float32: the same value transformers compares against.
-        threshold = torch.tensor(
-            [1.0 - float(p.top_p) for p in params], dtype=torch.float32, device=device
-        ).unsqueeze(1)
-        sorted_remove = cum_probs <= threshold
-        sorted_remove[:, -1] = False  # always keep the most likely token
-        # Zero-probability tails satisfy `<= 0`; a disabled row must not drop them.
-        enabled = torch.tensor(top_p_on, dtype=torch.bool, device=device).unsqueeze(1)
-        sorted_remove &= enabled
-        remove |= sorted_remove.scatter(1, sorted_idx, sorted_remove)
-
-    return scores.masked_fill(remove, _FILTERED)
+    vocab = logits.shape[1]
+    rows = RowParams.build(params, [0] * len(params), vocab, logits.device)
+    scores = processed(logits, rows, TokenHistory(), histories)
+    if scores.data_ptr() == logits.data_ptr():
+        scores = scores.clone()
+    if rows.any_temperature:
+        scores = scores / rows.temperature
+    if rows.any_filter:
+        cut = cutoff(scores, scores.amax(dim=-1, keepdim=True), rows, vocab)
+        scores = scores.masked_fill(scores < cut.threshold, float("-inf"))
+    return scores
 
 
 class Sampler:
-    """Picks one token per row; sampled rows draw only from their own generator."""
+    """Picks one token per row. Greedy rows take the exact argmax; sampled rows draw with one uniform from
+    (seed, position), so a request's tokens do not depend on which other requests share the batch."""
 
-    def __call__(
-        self,
-        logits: torch.Tensor,
-        params: Sequence[SamplingParams],
-        histories: Sequence[Sequence[int]],
-        generators: Sequence[torch.Generator],
-    ) -> torch.Tensor:
-        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
-            # Hot path for plain greedy decoding: nothing to process.
-            return logits.argmax(dim=-1)
+    def __init__(self, cpu_candidates: int = CPU_CANDIDATES) -> None:
+        self.cpu_candidates = cpu_candidates   # 0: always a full sort
+        self.history = TokenHistory()
+        self._rows_key: tuple | None = None
+        self._rows_params: list[SamplingParams] = []
+        self._rows: RowParams | None = None
 
-        scores = apply_processors(logits, params, histories)
-        tokens = scores.argmax(dim=-1)
-        sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled:
-            index = torch.tensor(sampled, dtype=torch.long, device=scores.device)
-            probs = scores.index_select(0, index).softmax(dim=-1)
-            # One draw per row with that row's generator, so a request's randomness does
-            # not depend on which other requests share the batch.
-            draws = [
-                torch.multinomial(probs[j], 1, generator=generators[i])
-                for j, i in enumerate(sampled)
-            ]
-            tokens[index] = torch.cat(draws)
-        return tokens
+    def rows_for(self, params: Sequence[SamplingParams], seeds: Sequence[int], vocab: int,
+                 device: torch.device) -> RowParams:
+        """Per-row tensors, rebuilt only when the batch's requests change (params are held, so ids stay unique)."""
+        key = (tuple(map(id, params)), tuple(seeds), vocab, device)
+        if key != self._rows_key or self._rows is None:
+            self._rows = RowParams.build(params, seeds, vocab, device)
+            self._rows_key, self._rows_params = key, list(params)
+        return self._rows
 
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                 histories: Sequence[list[int]], seeds: Sequence[int]) -> torch.Tensor:
+        if logits.dim() != 2 or not logits.shape[0] == len(params) == len(histories) == len(seeds):
+            raise ValueError("logits must be [B, V] with one params entry, history and seed per row")
+        vocab, device = logits.shape[1], logits.device
+        rows = self.rows_for(params, seeds, vocab, device)
+        if rows.all_greedy and not rows.any_penalty:
+            return logits.argmax(dim=-1)   # plain greedy decoding: nothing to process
 
-def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if seed is None:
-        generator.seed()  # non-deterministic seed
-    else:
-        generator.manual_seed(seed)
-    return generator
+        scores = processed(logits, rows, self.history, histories)
+        greedy_tokens = scores.argmax(dim=-1) if rows.any_greedy else None
+        if rows.all_greedy:
+            return greedy_tokens
+        if rows.any_temperature:
+            scores = scores / rows.temperature
+        u = uniforms(rows.key_a, rows.key_b, upload([len(h) for h in histories], torch.int64, device))
+        tokens = self._draw(scores, rows, u)
+        return tokens if greedy_tokens is None else torch.where(rows.greedy, greedy_tokens, tokens)
+
+    def _draw(self, scores: torch.Tensor, rows: RowParams, u: torch.Tensor) -> torch.Tensor:
+        vocab = scores.shape[1]
+        row_max = scores.amax(dim=-1, keepdim=True)
+        if not rows.any_filter:
+            return draw_full(scores, row_max, None, u)
+        width = vocab
+        if scores.device.type == "cpu" and self.cpu_candidates:
+            # Rows that all have a top-k need no more candidates than the largest k.
+            want = rows.max_top_k if not rows.any_top_p_without_top_k else max(self.cpu_candidates, rows.max_top_k)
+            width = min(vocab, want, MAX_CANDIDATES)
+        cut = cutoff(scores, row_max, rows, width)
+        if width == vocab:
+            return draw_full(scores, row_max, cut.threshold, u)
+        # Host reads from here on, which cost nothing on CPU.
+        unknown = cut.unknown.squeeze(1).nonzero().squeeze(1)
+        if len(unknown):
+            # Those rows' cut-off lies beyond the candidates: a full sort of just them.
+            full = cutoff(scores.index_select(0, unknown), row_max.index_select(0, unknown),
+                          rows.select(unknown), vocab)
+            threshold = cut.threshold.index_copy(0, unknown, full.threshold)
+            return draw_full(scores, row_max, threshold, u)
+        if bool((rows.greedy.unsqueeze(1) | (cut.values[:, -1:] < cut.threshold)).all()):
+            return draw_candidates(cut, u)   # every kept token is a candidate
+        return draw_full(scores, row_max, cut.threshold, u)

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum, auto
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
@@ -23,7 +21,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float
-    generator: torch.Generator
+    seed: int                                            # of the request's draws; random when it gave none
     detokenizer: IncrementalDetokenizer
     token_ids: list[int] = field(default_factory=list)   # prompt + completion
     num_computed_tokens: int = 0                         # tokens whose K/V are in the cache

@@ -1,0 +1,218 @@
+"""Time the batched sampler against greedy, a full sort and the previous per-row sampler, alone and in the engine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from worker.bench import DEFAULT_WORKLOAD, load_workload
+from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.sampler import Sampler
+from worker.model_loader import load_model
+
+SAMPLED = dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
+KINDS: dict[str, dict] = {
+    "greedy": dict(temperature=0.0),
+    "all_processors": SAMPLED,
+    "top_p_no_top_k": dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1),
+    "temperature_only": dict(temperature=0.6),
+}
+
+
+class PreviousSampler:
+    """The sampler this one replaced, kept as the baseline: per-row parameters read from Python lists every call,
+    a full sort for top-k/top-p, and one torch.Generator and one torch.multinomial per sampled row."""
+
+    def __init__(self) -> None:
+        self.generators: dict[int, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[list[int]],
+                 seeds: Sequence[int]) -> torch.Tensor:
+        if all(p.greedy and p.repetition_penalty == 1.0 for p in params):
+            return logits.argmax(dim=-1)
+        batch, vocab = logits.shape
+        device = logits.device
+        scores = logits.to(torch.float32, copy=True)
+        rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rows:
+            row_ids = torch.tensor([i for i in rows for _ in histories[i]], device=device)
+            token_ids = torch.tensor([t for i in rows for t in histories[i]], device=device).clamp(0, vocab)
+            seen = torch.zeros(batch, vocab + 1, dtype=torch.bool, device=device)
+            seen[row_ids, token_ids] = True
+            seen = seen[:, :vocab]
+            penalty = torch.tensor([p.repetition_penalty for p in params], device=device).unsqueeze(1)
+            scores = torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+        temps = [1.0 if p.greedy else float(p.temperature) for p in params]
+        if any(t != 1.0 for t in temps):
+            scores = scores / torch.tensor(temps, device=device).unsqueeze(1)
+        top_k = [vocab if p.greedy or p.top_k <= 0 else min(p.top_k, vocab) for p in params]
+        top_p_on = [not p.greedy and p.top_p < 1.0 for p in params]
+        if any(k < vocab for k in top_k) or any(top_p_on):
+            sorted_scores, sorted_idx = torch.sort(scores, dim=-1)
+            kth = sorted_scores.gather(1, torch.tensor([vocab - k for k in top_k], device=device).unsqueeze(1))
+            remove = scores < kth
+            sorted_scores = sorted_scores.masked_fill(sorted_scores < kth, float("-inf"))
+            cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            threshold = torch.tensor([1.0 - float(p.top_p) for p in params], device=device).unsqueeze(1)
+            sorted_remove = cum <= threshold
+            sorted_remove[:, -1] = False
+            sorted_remove &= torch.tensor(top_p_on, device=device).unsqueeze(1)
+            remove |= sorted_remove.scatter(1, sorted_idx, sorted_remove)
+            scores = scores.masked_fill(remove, float("-inf"))
+        tokens = scores.argmax(dim=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=device)
+            probs = scores.index_select(0, index).softmax(dim=-1)
+            draws = [torch.multinomial(probs[j], 1, generator=self._generator(histories[i], seeds[i], device))
+                     for j, i in enumerate(sampled)]
+            tokens[index] = torch.cat(draws)
+        return tokens
+
+    def _generator(self, history: list[int], seed: int, device: torch.device) -> torch.Generator:
+        key = id(history)
+        if key not in self.generators:
+            self.generators[key] = torch.Generator(device=device).manual_seed(seed)
+        return self.generators[key]
+
+
+def model_logits(model, tokenizer, rows: int, workload: Path) -> tuple[torch.Tensor, list[list[int]]]:
+    """Next-token logits at the end of real support prompts (tiled to `rows`), and those prompts as histories."""
+    prompts = [r.prompt_ids for r in load_workload(workload, tokenizer, None)][:48]
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            out.append(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].float())
+    logits = torch.stack(out)
+    index = [i % len(prompts) for i in range(rows)]
+    return logits[index].contiguous(), [list(prompts[i]) for i in index]
+
+
+def time_calls(sample: Callable, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+               repeats: int) -> float:
+    """Median seconds per call in decode's steady state: every history grows by the token just drawn."""
+    seeds = list(range(len(params)))
+    histories = [list(h) for h in histories]
+    times = []
+    for i in range(repeats + 2):
+        start = time.perf_counter()
+        tokens = sample(logits, params, histories, seeds).tolist()
+        elapsed = time.perf_counter() - start
+        for history, token in zip(histories, tokens):
+            history.append(token)
+        if i >= 2:   # the first calls build per-row state
+            times.append(elapsed)
+    return statistics.median(times)
+
+
+def sampler_table(model, tokenizer, rows_list: list[int], repeats: int, workload: Path) -> list[dict]:
+    results = []
+    for rows in rows_list:
+        logits, histories = model_logits(model, tokenizer, rows, workload)
+        for kind, config in KINDS.items():
+            params = [SamplingParams(**config)] * rows
+            new = time_calls(Sampler(), logits, params, histories, repeats)
+            sort = time_calls(Sampler(cpu_candidates=0), logits, params, histories, repeats)
+            old = time_calls(PreviousSampler(), logits, params, histories, repeats)
+            results.append({"rows": rows, "vocab": logits.shape[1], "kind": kind, "new_ms": new * 1e3,
+                            "full_sort_ms": sort * 1e3, "previous_ms": old * 1e3})
+        greedy = next(r["new_ms"] for r in results if r["rows"] == rows and r["kind"] == "greedy")
+        for r in results:
+            if r["rows"] == rows:
+                r["new_vs_greedy"] = r["new_ms"] / greedy
+                r["speedup_vs_previous"] = r["previous_ms"] / r["new_ms"]
+    return results
+
+
+def engine_run(model, tokenizer, requests, slots: int, config: dict, sampler) -> dict:
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=slots, num_blocks=2048))
+    if sampler is not None:
+        engine.sampler = sampler
+    try:
+        for i, (ids, cap) in enumerate(requests):
+            engine.add_request(str(i), prompt_token_ids=ids,
+                               params=SamplingParams(**config, seed=i, max_new_tokens=cap, ignore_eos=True))
+        tokens, decode_tokens, decode_s, start = 0, 0, 0.0, time.perf_counter()
+        while engine.has_unfinished():
+            step_start = time.perf_counter()
+            made = sum(len(e.token_ids) for e in engine.step() if not e.finished)
+            seqs, batched = engine.last_batch
+            if seqs == batched:   # a decode-only step
+                decode_tokens += made
+                decode_s += time.perf_counter() - step_start
+            tokens += made
+        wall = time.perf_counter() - start
+    finally:
+        engine.release_model()
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None}
+
+
+def engine_table(model, tokenizer, slots: int, count: int, new_tokens: int, workload: Path, rounds: int) -> dict:
+    """Greedy, sampled and sampled with the previous sampler, in alternating rounds; best round of each."""
+    requests = [(r.prompt_ids, new_tokens) for r in load_workload(workload, tokenizer, count)]
+    methods = {"greedy": (KINDS["greedy"], None), "sampled": (SAMPLED, None),
+               "sampled_previous": (SAMPLED, PreviousSampler)}
+    best: dict[str, dict] = {}
+    engine_run(model, tokenizer, requests[:2], slots, KINDS["greedy"], None)   # warm-up, untimed
+    for _ in range(rounds):
+        for name, (config, make) in methods.items():
+            run = engine_run(model, tokenizer, requests, slots, config, make() if make else None)
+            if name not in best or run["tokens_per_s"] > best[name]["tokens_per_s"]:
+                best[name] = run
+    greedy, greedy_decode = best["greedy"]["tokens_per_s"], best["greedy"]["decode_tokens_per_s"]
+    for run in best.values():
+        run["vs_greedy"] = run["tokens_per_s"] / greedy
+        run["decode_vs_greedy"] = run["decode_tokens_per_s"] / greedy_decode
+    return {"slots": slots, "requests": len(requests), "new_tokens": new_tokens, "rounds": rounds, "methods": best}
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m worker.sampler_bench", description=__doc__)
+    parser.add_argument("--model", default=os.environ.get("MODEL") or None)
+    parser.add_argument("--rows", default="16,64,256", help="batch sizes for the sampler alone")
+    parser.add_argument("--repeats", type=int, default=9, help="timed calls per case (median)")
+    parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
+    parser.add_argument("--engine-slots", type=int, default=16, help="0 skips the engine runs")
+    parser.add_argument("--engine-requests", type=int, default=16)
+    parser.add_argument("--engine-new-tokens", type=int, default=48)
+    parser.add_argument("--engine-rounds", type=int, default=2)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    model, tokenizer = load_model(args.model)
+    info = {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
+            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__}
+    print(json.dumps(info))
+    rows = sampler_table(model, tokenizer, [int(r) for r in args.rows.split(",")], args.repeats, args.workload)
+    print(f"{'rows':>5} {'kind':<18} {'new ms':>9} {'full sort ms':>13} {'previous ms':>12} {'vs greedy':>10} "
+          f"{'speed-up':>9}")
+    for r in rows:
+        print(f"{r['rows']:>5} {r['kind']:<18} {r['new_ms']:>9.2f} {r['full_sort_ms']:>13.2f} {r['previous_ms']:>12.2f} "
+              f"{r['new_vs_greedy']:>9.2f}x {r['speedup_vs_previous']:>8.2f}x")
+    result = {"info": info, "sampler": rows}
+    if args.engine_slots:
+        engine = engine_table(model, tokenizer, args.engine_slots, args.engine_requests, args.engine_new_tokens,
+                              args.workload, args.engine_rounds)
+        print(f"engine, {engine['requests']} requests x {engine['new_tokens']} tokens, {engine['slots']} slots:")
+        for name, run in engine["methods"].items():
+            print(f"  {name:<18} {run['tokens_per_s']:8.1f} tok/s  {run['vs_greedy']:.3f}x greedy   decode steps "
+                  f"{run['decode_tokens_per_s']:8.1f} tok/s  {run['decode_vs_greedy']:.3f}x greedy")
+        result["engine"] = engine
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    main()

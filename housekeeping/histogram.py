@@ -52,12 +52,10 @@ def encode(counts: Mapping[int, int]) -> str:
 
 
 def decode(text: str) -> Counter[int]:
-    out: Counter[int] = Counter()
-    if text:
-        for pair in text.split(","):
-            b, n = pair.split(":")
-            out[int(b)] += int(n)
-    return out
+    if not text:
+        return Counter()
+    numbers = list(map(int, text.replace(":", ",").split(",")))
+    return Counter(dict(zip(numbers[::2], numbers[1::2])))
 
 
 def merge(histograms: Iterable[Mapping[int, int]]) -> Counter[int]:
@@ -69,21 +67,28 @@ def merge(histograms: Iterable[Mapping[int, int]]) -> Counter[int]:
 
 def quantile(counts: Mapping[int, int], q: float) -> float | None:
     """The q-quantile (0..1) by linear interpolation between closest ranks; None for an empty histogram."""
+    return quantiles(counts, (q,))[0]
+
+
+def quantiles(counts: Mapping[int, int], qs: Iterable[float]) -> list[float | None]:
+    """Several quantiles in one pass over the sorted buckets."""
+    qs = list(qs)
     total = sum(counts.values())
     if total == 0:
-        return None
-    pos = (total - 1) * q
-    lo, hi = math.floor(pos), math.ceil(pos)
-    v_lo = v_hi = None
-    seen = 0
+        return [None] * len(qs)
+    ranks = sorted({r for q in qs for r in (math.floor((total - 1) * q), math.ceil((total - 1) * q))})
+    at: dict[int, float] = {}
+    seen, i = 0, 0
     for b in sorted(counts):
-        n = counts[b]
-        if n <= 0:
-            continue
-        if v_lo is None and lo < seen + n:
-            v_lo = representative(b)
-        if hi < seen + n:
-            v_hi = representative(b)
+        seen += counts[b]
+        while i < len(ranks) and ranks[i] < seen:
+            at[ranks[i]] = representative(b)
+            i += 1
+        if i == len(ranks):
             break
-        seen += n
-    return v_lo + (v_hi - v_lo) * (pos - lo)
+    out = []
+    for q in qs:
+        pos = (total - 1) * q
+        lo, hi = math.floor(pos), math.ceil(pos)
+        out.append(at[lo] + (at[hi] - at[lo]) * (pos - lo))
+    return out

@@ -62,7 +62,8 @@ class Timing:
 
 
 def quantiles(counts: Counter | None) -> dict[str, float | None]:
-    return {name: histogram.quantile(counts, q) if counts is not None else None for name, q in QUANTILES}
+    values = histogram.quantiles(counts, (q for _, q in QUANTILES)) if counts is not None else [None] * len(QUANTILES)
+    return {name: v for (name, _), v in zip(QUANTILES, values)}
 
 
 def _utc(ts: float) -> datetime:

@@ -63,3 +63,4 @@ def test_a_worker_announces_its_slots_kv_pool_and_device(stack):
         assert beat_["slots"] == int(stack.env["MAX_NUM_SEQS"]) and beat_["device"] == "cpu"
         assert beat_["kv_blocks"] > 0 and beat_["kv_tokens"] == beat_["kv_blocks"] * beat_["kv_block_size"]
         assert beat_["kv_bytes"] > 0
+        assert beat_["kv_sizing"] == f"{float(stack.env['KV_CACHE_GIB']):g} GiB"   # how the pool got its size

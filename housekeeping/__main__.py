@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -80,6 +81,10 @@ def run(engine: Engine, settings: Settings, stop: threading.Event, holder: str |
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if sys.argv[1:] == ["--mark-all"]:
+        engine = make_engine()
+        log.info("marked %d minutes to summarise again", rollup.mark_all(engine))
+        return
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -251,3 +251,14 @@ def summarise(engine: Engine, holder: str = "summarise", ttl_s: float = 60.0) ->
                 raise RuntimeError("lost the housekeeping lease")
     finally:
         lease.release(engine, holder)
+
+
+def mark_all(engine: Engine) -> int:
+    """Mark every minute that has finished records as dirty (after loading records with triggers disabled, e.g.
+    `pg_restore --disable-triggers`); the next rounds summarise them all again. Returns how many minutes."""
+    minute = f"({Spelling(engine.dialect.name).seconds('finished_at')} / 60)"
+    with engine.begin() as conn:
+        return conn.execute(text(
+            f"INSERT INTO dirty_minutes (minute, version) SELECT DISTINCT {minute}, 1 FROM request_records "
+            "WHERE finished_at IS NOT NULL ORDER BY 1 "
+            "ON CONFLICT (minute) DO UPDATE SET version = dirty_minutes.version + 1")).rowcount

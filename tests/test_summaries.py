@@ -238,3 +238,16 @@ def test_retention_deletes_exactly_the_old_records_in_batches_while_a_writer_wri
         left = set(conn.execute(select(RequestRecord.request_id)).scalars())
     assert left == {r["request_id"] for r in young} | {"queued-now"} | {f for f in left if f.startswith("new-")}
     assert len([f for f in left if f.startswith("new-")]) == len(writes)
+
+
+def test_records_loaded_without_triggers_are_summarised_after_mark_all(engine):
+    now = time.time()
+    rows = record_rows(400, now - 3000, now - 200, seed=11)
+    load(engine, rows)
+    with engine.begin() as conn:   # as if the records came in with triggers disabled
+        conn.execute(text("DELETE FROM dirty_minutes"))
+    rollup.summarise(engine)
+    assert figures(engine, "1h", now)["totals"]["requests"] == 0
+    assert rollup.mark_all(engine) > 0
+    rollup.summarise(engine)
+    assert figures(engine, "1h", now)["totals"]["requests"] == len(rows)

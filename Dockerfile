@@ -8,6 +8,10 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler builds the CPU paged-attention kernel on first use (worker/engine/cpu_kernel.py).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # PyPI's Linux torch wheel carries its CUDA libraries: the same image runs on a GPU or on CPU only.
 COPY requirements.txt ./
 RUN pip install -r requirements.txt \

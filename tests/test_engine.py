@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 
+from worker.engine import cpu_kernel
 from worker.engine import (EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, RequestFinished,
                            SamplingParams, TokenDelta)
 from worker.model_loader import load_model
@@ -62,12 +63,21 @@ def ref_model(tiny_model_dir):
 
 # ---- greedy equivalence ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed-matmuls", "dense-matmuls"])
-def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed):
+@pytest.mark.parametrize("packed,attn,eager", [(True, "kernel", None), (True, "gather", None),
+                                               (False, "kernel", None), (True, "kernel", False)],
+                         ids=["packed-kernel", "packed-gather", "dense-kernel", "static-decode-buckets"])
+def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
+                                                                                      eager):
     model, tok = tiny
     # A small pool forces preemption; a small token budget forces chunked prefill.
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
-                                                num_blocks=44, pack_cpu_linears=packed))
+                                                num_blocks=44, pack_cpu_linears=packed, attention_backend=attn,
+                                                enforce_eager=eager))
+    assert engine.runner.attention_backend == attn or cpu_kernel.load() is None
+    graphs = engine.runner.decode_graphs
+    assert (graphs is not None) == (eager is False)
+    if graphs is not None:   # decode steps of 3 run in bucket 4: one padding row
+        assert graphs.sizes == [1, 2, 4] and graphs.bucket(3) == 4
     arrivals = {0: [0, 1, 2], 3: [3], 5: [4, 5], 9: [6], 14: [7]}
     caps = [30, 12, 25, 20, 30, 8, 27, 16]
     prompts = {str(i): chat_ids(tok, q, SYSTEM if i != 4 else None) for i, q in enumerate(QUESTIONS)}
@@ -89,14 +99,18 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
     assert sum(r.cached_tokens for r in results.values()) > 0
     assert max(len(p) for p in prompts.values()) > 24
     assert engine.stats().kv_blocks_used == 0
+    if graphs is not None:
+        # Steps ran in more than one bucket, some with padding rows that never disturbed a real one.
+        assert sum(1 for n in graphs.steps_per_bucket.values() if n) > 1 and graphs.padding_rows > 0
 
 
+@pytest.mark.parametrize("attn", ["kernel", "gather"])
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gpt2"])
-def test_greedy_matches_generate_on_other_architectures(arch, tiny_model_dirs):
+def test_greedy_matches_generate_on_other_architectures(arch, attn, tiny_model_dirs):
     model, tok = load_model(str(tiny_model_dirs[arch]))
     ref = load_model(str(tiny_model_dirs[arch]))[0]
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=3, max_num_batched_tokens=20, block_size=4,
-                                                num_blocks=64))
+                                                num_blocks=64, attention_backend=attn))
     prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
     for i, ids in enumerate(prompts[:2]):
         engine.add_request(str(i), prompt_token_ids=ids, params=greedy(15))

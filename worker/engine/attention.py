@@ -1,8 +1,13 @@
 """Paged attention plugged into transformers' attention-function interface.
 
 The model's own code computes Q/K/V and RoPE; this function writes the new K/V into the paged
-pool in place and attends over each sequence's blocks. Decode rows are batched into one call;
-each prefill chunk gets its own causal call.
+pool in place and attends over each sequence's blocks, through one of two backends:
+
+- "kernel": a C kernel (paged_attention.c, CPU, float32) that writes the step's K/V and attends
+  every row of the step, decodes and prefill chunks alike, reading the pool in place through the
+  block table: one call per layer.
+- "gather": PyTorch only, any device and dtype. Each layer gathers the batch's blocks into SDPA's
+  layout; decode rows share one SDPA call, each prefill chunk gets its own.
 
 The pool is laid out [kv_heads, blocks, block_size, head_dim] per layer, so gathering a batch's
 blocks yields [kv_heads, seqs, tokens, head_dim] with no transpose: (kv_heads, seqs) are the
@@ -12,13 +17,29 @@ batch dimensions of one SDPA call, and the query heads that share a KV head are 
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from . import cpu_kernel
+
 ATTN_NAME = "engine_paged"
+BACKENDS = ("kernel", "gather")
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Span:
+    """One sequence's rows in the packed step: a decode (length 1) or a prefill chunk."""
+
+    start: int             # first row in the packed tokens
+    length: int            # rows
+    context: int           # tokens of the sequence in the cache after this step (these rows included)
+    table: list[int]       # the sequence's block ids (at least those covering `context`)
 
 
 @dataclass
@@ -35,10 +56,15 @@ class StepContext:
 
     kv: torch.Tensor                            # [2, layers, kv_heads, blocks, block_size, head_dim]
     slots: torch.Tensor                         # [tokens] flat cache slot of each packed token
+    backend: str = "gather"
     num_decodes: int = 0
+    # gather backend
     decode_blocks: torch.Tensor | None = None   # [decodes, max_blocks]
     decode_mask: torch.Tensor | None = None     # [1, decodes, 1, max_blocks * block_size]
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # kernel backend: per-row sequence index and position, block tables, and the C call's step arguments
+    kernel_tensors: tuple[torch.Tensor, ...] = ()
+    kernel_args: tuple = ()
 
 
 _local = threading.local()
@@ -48,14 +74,88 @@ def set_context(ctx: StepContext | None) -> None:
     _local.ctx = ctx
 
 
+def choose_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend to run: the one asked for (EngineConfig or ATTENTION_BACKEND), else the device's best."""
+    requested = requested or os.environ.get("ATTENTION_BACKEND") or None
+    if requested is not None and requested not in BACKENDS:
+        raise ValueError(f"Unknown attention backend {requested!r}; choose one of {', '.join(BACKENDS)}.")
+    kernel_fits = device.type == "cpu" and dtype == torch.float32
+    if requested == "kernel" and not kernel_fits:
+        raise ValueError(f"The 'kernel' attention backend runs float32 on CPU only, not {dtype} on {device.type}; "
+                         "use 'gather'.")
+    if requested in (None, "kernel") and kernel_fits:
+        if cpu_kernel.load() is not None:
+            return "kernel"
+        log.warning("attention backend 'kernel' unavailable: using 'gather'")
+    return "gather"
+
+
+def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
+                  block_size: int) -> StepContext:
+    device = kv.device
+    ctx = StepContext(kv=kv, slots=torch.tensor(slots, device=device), backend=backend, num_decodes=num_decodes)
+    if backend == "kernel":
+        row_seq, row_pos = [], []
+        for i, s in enumerate(spans):
+            row_seq += [i] * s.length
+            row_pos += range(s.context - s.length, s.context)
+        width = max(-(-s.context // block_size) for s in spans)
+        tables = torch.tensor([s.table[:width] + [0] * (width - len(s.table[:width])) for s in spans],
+                              dtype=torch.int32)
+        row_seq_t = torch.tensor(row_seq, dtype=torch.int32)
+        row_pos_t = torch.tensor(row_pos, dtype=torch.int32)
+        ctx.kernel_tensors = (row_seq_t, row_pos_t, tables)
+        ctx.kernel_args = (ctx.slots.data_ptr(), len(slots), row_seq_t.data_ptr(), row_pos_t.data_ptr(),
+                           tables.data_ptr(), width, max(s.context for s in spans))
+        return ctx
+    decodes = spans[:num_decodes]
+    if decodes:
+        width = max(-(-s.context // block_size) for s in decodes)
+        ctx.decode_blocks = torch.tensor([s.table[:width] + [0] * (width - len(s.table[:width])) for s in decodes],
+                                         device=device)
+        lengths = torch.tensor([s.context for s in decodes], device=device)
+        mask = torch.arange(width * block_size, device=device)[None, :] < lengths[:, None]
+        ctx.decode_mask = mask[None, :, None, :]
+    for s in spans[num_decodes:]:
+        blocks = torch.tensor(s.table[:-(-s.context // block_size)], device=device)
+        ctx.prefills.append(PrefillChunk(s.start, s.length, s.context, blocks))
+    return ctx
+
+
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None,
                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     ctx: StepContext = _local.ctx
-    k_cache, v_cache = ctx.kv[0, module.layer_idx], ctx.kv[1, module.layer_idx]
-    kv_heads, _, _, head_dim = k_cache.shape
     # The packed tokens are one "batch of one": [1, heads, T, d] -> [heads, T, d].
     q, k, v = query[0], key[0], value[0]
+    if ctx.backend == "kernel":
+        out = _kernel_attention(q, k, v, ctx, module.layer_idx, scaling)
+    else:
+        out = _gather_attention(q, k, v, ctx, module.layer_idx, scaling)
+    return out.unsqueeze(0), None   # [1, T, heads, d], as transformers expects
+
+
+def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+                      scaling: float | None) -> torch.Tensor:
+    heads, tokens, d = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    k_cache, v_cache = ctx.kv[0, layer], ctx.kv[1, layer]
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    out = torch.empty(tokens, heads, d, dtype=q.dtype)
+    scale = d ** -0.5 if scaling is None else scaling
+    rc = cpu_kernel.load().paged_attention_f32(
+        q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), k.stride(1), k.stride(0),
+        v.data_ptr(), v.stride(1), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
+        heads, kv_heads, d, *ctx.kernel_args, scale, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged-attention kernel refused {heads} query heads over {kv_heads} KV heads")
+    return out
+
+
+def _gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+                      scaling: float | None) -> torch.Tensor:
+    k_cache, v_cache = ctx.kv[0, layer], ctx.kv[1, layer]
+    kv_heads, _, _, head_dim = k_cache.shape
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, ctx.slots, k)
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, ctx.slots, v)
 
@@ -66,7 +166,7 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         out[:, rows] = _prefill_attention(q[:, rows], k[:, rows], v[:, rows], k_cache, v_cache, chunk, scaling)
-    return out.transpose(0, 1).unsqueeze(0), None   # [1, T, heads, d], as transformers expects
+    return out.transpose(0, 1)
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:

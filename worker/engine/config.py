@@ -16,6 +16,8 @@ class EngineConfig:
     max_model_len: int | None = None     # None: the model's own context length
     enable_prefix_caching: bool = True
     pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see packed_linear.py)
+    enforce_eager: bool | None = None    # None: decode graphs on CUDA, eager on CPU; False on CPU: static buffers
+    attention_backend: str | None = None  # "kernel" or "gather"; None: $ATTENTION_BACKEND, else the device's best
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import inspect
+import logging
 
 import torch
 
 from . import attention, sizing
-from .attention import PrefillChunk, StepContext
+from .attention import Span
 from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
+from .device import DecodeGraphs
 from .scheduler import Batch
+
+log = logging.getLogger(__name__)
 
 
 def _text_config(model):
@@ -48,10 +52,22 @@ class ModelRunner:
         bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
         self.sizing = sizing.size_for(model, config, self.device, bytes_per_block)   # slots and pool per device
         config.max_num_seqs, self.num_blocks = self.sizing.max_num_seqs, self.sizing.num_blocks
-        # Allocated once; every step writes into it in place.
-        self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks, config.block_size, head_dim,
+        # Allocated once; every step writes into it in place. The block past num_blocks is scratch for
+        # the padding rows of bucketed decode steps; the block manager never hands it out.
+        self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks + 1, config.block_size, head_dim,
                               dtype=self.dtype, device=self.device)
+        self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype)
+        log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
+        # (enforce_eager=False), where they run eagerly.
+        eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
+        self.decode_graphs: DecodeGraphs | None = None
+        if not eager:
+            max_len = min(config.max_model_len or context_length(model), context_length(model))
+            self.decode_graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size,
+                                              config.max_num_seqs, max_len, use_graphs=True)
+            self.decode_graphs.capture()
 
     def release_model(self) -> None:
         """Give the model back as it came: dense linears and its own attention."""
@@ -61,16 +77,20 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch) -> torch.Tensor:
         """Forward the packed batch; logits [rows, vocab] for decodes and prefills that finish this step."""
-        ids, positions, slots, keep = [], [], [], []
         bs = self.config.block_size
+        graphs = self.decode_graphs
+        if graphs is not None and not batch.prefills and graphs.fits(len(batch.decodes)):
+            return self._run_static(batch)
+        ids, positions, slots, keep, spans = [], [], [], [], []
         for seq in batch.decodes:
             pos = seq.num_tokens - 1
+            table = seq.block_table
+            spans.append(Span(len(ids), 1, pos + 1, table))
             ids.append(seq.token_ids[-1])
             positions.append(pos)
-            slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            slots.append(table[pos // bs] * bs + pos % bs)
         keep.extend(range(len(batch.decodes)))
 
-        prefills = []
         for seq, n in batch.prefills:
             start, first = len(ids), seq.num_computed_tokens
             span = range(first, first + n)
@@ -79,15 +99,11 @@ class ModelRunner:
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             context = first + n
-            blocks = torch.tensor(table[:-(-context // bs)], device=self.device)
-            prefills.append(PrefillChunk(start, n, context, blocks))
+            spans.append(Span(start, n, context, table))
             if context == seq.num_tokens:   # the whole sequence is in: its last row gives the next token
                 keep.append(start + n - 1)
 
-        ctx = StepContext(kv=self.kv, slots=torch.tensor(slots, device=self.device),
-                          num_decodes=len(batch.decodes), prefills=prefills)
-        if batch.decodes:
-            ctx.decode_blocks, ctx.decode_mask = self._decode_tables(batch)
+        ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, len(batch.decodes), bs)
         attention.set_context(ctx)
         try:
             input_ids = torch.tensor([ids], device=self.device)
@@ -101,11 +117,10 @@ class ModelRunner:
         finally:
             attention.set_context(None)
 
-    def _decode_tables(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run_static(self, batch: Batch) -> torch.Tensor:
         bs = self.config.block_size
-        width = max(len(s.block_table) for s in batch.decodes)
-        tables = torch.tensor([s.block_table + [0] * (width - len(s.block_table)) for s in batch.decodes],
-                              device=self.device)
-        lengths = torch.tensor([s.num_tokens for s in batch.decodes], device=self.device)
-        mask = torch.arange(width * bs, device=self.device)[None, :] < lengths[:, None]
-        return tables, mask[None, :, None, :]
+        seqs = batch.decodes
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        return self.decode_graphs.run([seq.token_ids[-1] for seq in seqs], positions, slots,
+                                      [seq.block_table for seq in seqs])

@@ -1,0 +1,108 @@
+"""The attention backends against each other and plain causal attention, on random pools and tables."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker.engine import attention, cpu_kernel
+from worker.engine.attention import Span
+from worker.engine.device import buckets
+
+needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler for the paged-attention kernel")
+
+
+class Layer(torch.nn.Module):
+    layer_idx = 1
+
+
+def random_step(heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
+    """A step of decodes and prefill chunks (some with a cached prefix) over shuffled blocks."""
+    gen = random.Random(seed)
+    num_blocks = 512
+    free = list(range(num_blocks))
+    gen.shuffle(free)
+    # (tokens already cached, new rows): decodes first, then chunks with and without a prefix.
+    shapes = [(gen.randint(1, 60), 1) for _ in range(5)] + [(0, 23), (17, 9), (32, 1), (5, 40)]
+    spans, slots, row = [], [], 0
+    history = []   # every sequence's full K/V, to check against dense attention
+    for cached, n in shapes:
+        context = cached + n
+        table = [free.pop() for _ in range(-(-context // block_size))]
+        spans.append(Span(row, n, context, table))
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(cached, context)]
+        row += n
+        history.append((torch.randn(kv_heads, context, head_dim), torch.randn(kv_heads, context, head_dim)))
+    kv = torch.zeros(2, 2, kv_heads, num_blocks, block_size, head_dim)
+    for span, (k, v) in zip(spans, history):   # the cached prefix is already in the pool
+        for p in range(span.context - span.length):
+            b, o = span.table[p // block_size], p % block_size
+            kv[0, 1, :, b, o], kv[1, 1, :, b, o] = k[:, p], v[:, p]
+    new_k = torch.cat([k[:, s.context - s.length:] for s, (k, _) in zip(spans, history)], dim=1)
+    new_v = torch.cat([v[:, s.context - s.length:] for s, (_, v) in zip(spans, history)], dim=1)
+    q = torch.randn(row, heads, head_dim).transpose(0, 1)     # [heads, T, d] as a strided view, like the models'
+    return kv, spans, slots, q, new_k, new_v, history
+
+
+def dense_reference(q, spans, history, heads, kv_heads):
+    out = torch.empty(q.shape[1], heads, q.shape[2])
+    for s, (k, v) in zip(spans, history):
+        qs = q[:, s.start:s.start + s.length]
+        first = s.context - s.length
+        mask = torch.arange(s.context)[None, :] <= torch.arange(first, s.context)[:, None]
+        o = F.scaled_dot_product_attention(qs[None], k[None], v[None], attn_mask=mask,
+                                           enable_gqa=heads != kv_heads)[0]
+        out[s.start:s.start + s.length] = o.transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("backend", [pytest.param("kernel", marks=needs_kernel), "gather"])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)])
+def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size):
+    kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
+    ctx = attention.build_context(backend, kv, slots, spans, num_decodes=5, block_size=block_size)
+    attention.set_context(ctx)
+    try:
+        out, _ = attention.paged_attention(Layer(), q[None], k[None], v[None], None)
+    finally:
+        attention.set_context(None)
+    torch.testing.assert_close(out[0], dense_reference(q, spans, history, heads, kv_heads), atol=1e-5, rtol=1e-4)
+    # Every new row landed in its slot of layer 1, and nothing was written to layer 0.
+    flat_k = kv[0, 1].reshape(kv_heads, -1, head_dim)
+    torch.testing.assert_close(flat_k[:, slots], k)
+    assert not kv[:, 0].any()
+
+
+def test_backend_choice_follows_the_config_then_the_device():
+    cpu = torch.device("cpu")
+    assert attention.choose_backend("gather", cpu, torch.float32) == "gather"
+    assert attention.choose_backend(None, cpu, torch.bfloat16) == "gather"
+    expected = "kernel" if cpu_kernel.load() is not None else "gather"
+    assert attention.choose_backend(None, cpu, torch.float32) == expected
+    with pytest.raises(ValueError, match="float32 on CPU only"):
+        attention.choose_backend("kernel", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="Unknown attention backend"):
+        attention.choose_backend("flash", cpu, torch.float32)
+
+
+def test_without_a_compiler_the_gather_backend_runs(monkeypatch, tmp_path):
+    monkeypatch.setenv("MODEL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
+    cpu_kernel.load.cache_clear()
+    try:
+        assert cpu_kernel.load() is None
+        assert attention.choose_backend(None, torch.device("cpu"), torch.float32) == "gather"
+    finally:
+        cpu_kernel.load.cache_clear()
+
+
+def test_decode_buckets_grow_by_eight_past_sixteen_and_end_at_the_slot_count():
+    assert buckets(1) == [1]
+    assert buckets(4) == [1, 2, 4]
+    assert buckets(16) == [1, 2, 4, 8, 16]
+    assert buckets(48) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
+    assert buckets(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
+    assert buckets(6) == [1, 2, 4, 6]

@@ -1,0 +1,74 @@
+"""Builds the C paged-attention kernel with the system compiler on first use and loads it via ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch  # noqa: F401  (loaded first, so the kernel shares torch's OpenMP runtime, libgomp.so.1)
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_attention.c")
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
+_P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+ARGTYPES = [_P, _I64, _I64,  _P, _I64, _I64,  _P, _I64, _I64,      # q, k, v and their token/head strides
+            _P, _P, _I64, _I32,  _I32, _I32, _I32,                  # pool, num_blocks, block_size, heads
+            _P, _I32,  _P, _P,  _P, _I32, _I32,                     # slots, rows, tables, max context
+            _F32, _P, _I32]                                         # scale, out, threads
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("MODEL_CACHE_DIR", Path.home() / ".cache" / "supportbot")).expanduser()
+    return root / "kernels"
+
+
+def _cpu_identity() -> str:
+    """-march=native code is only valid on the CPU it was built for: key the cache by its features."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")),
+                     "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+@cache
+def load() -> ctypes.CDLL | None:
+    """The compiled kernel, or None (logged) when there is no compiler or the build fails."""
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler (cc/gcc) found: paged attention falls back to gathering the context")
+        return None
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_attention-{key}.so"
+    try:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                               capture_output=True, text=True, timeout=120)
+                built.rename(target)   # atomic: a half-written library is never loaded
+            log.info("compiled the paged-attention kernel: %s", target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("paged-attention kernel unavailable (%s): falling back to gathering the context", detail)
+        return None
+    lib.paged_attention_f32.argtypes = ARGTYPES
+    lib.paged_attention_f32.restype = ctypes.c_int
+    return lib

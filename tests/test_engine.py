@@ -563,3 +563,34 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where
         assert results[rid].finish_reason in ("stop", "length")
         assert results[rid].token_ids == reference(ref_model, prompts[rid], 8), rid
     assert engine.stats().running == 0 and engine.blocks.num_used == 0
+
+
+# ---- CUDA: run wherever a GPU is present -----------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("eager", [None, True], ids=["decode-graphs", "eager"])
+def test_greedy_matches_generate_on_cuda(tiny_model_dir, eager):
+    model, tok = load_model(str(tiny_model_dir), device="cuda", dtype="float32")
+    ref = load_model(str(tiny_model_dir), device="cuda", dtype="float32")[0]
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
+                                                num_blocks=44, enforce_eager=eager))
+    graphs = engine.runner.decode_graphs
+    assert (graphs is not None and len(graphs.graphs) == len(graphs.sizes)) == (eager is None)
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
+    caps = [30, 12, 25, 20, 30, 8, 27, 16]
+    for i, ids in enumerate(prompts[:3]):
+        engine.add_request(str(i), prompt_token_ids=ids, params=greedy(caps[i]))
+    results = {}
+    for _ in range(5):
+        drain(engine, results)
+    for i, ids in enumerate(prompts[3:], start=3):
+        engine.add_request(str(i), prompt_token_ids=ids, params=greedy(caps[i]))
+    while engine.has_unfinished():
+        drain(engine, results)
+    for i, ids in enumerate(prompts):
+        want = ref.generate(torch.tensor([ids], device="cuda"), max_new_tokens=caps[i], do_sample=False,
+                            attention_mask=torch.ones(1, len(ids), dtype=torch.long, device="cuda"))
+        assert results[str(i)].token_ids == want[0, len(ids):].tolist(), f"request {i} differs"
+    assert engine.stats().preemptions > 0
+    if graphs is not None:
+        assert sum(graphs.steps_per_bucket.values()) > 0

@@ -19,6 +19,10 @@ from .attention import StepContext
 
 log = logging.getLogger(__name__)
 
+# The static block tables cover this many tokens at most: decode attention gathers the whole width
+# in a graph, so a longer context would cost every step. Steps past it run eagerly.
+MAX_GRAPH_CONTEXT = 2048
+
 
 def buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, 32, ... (steps of 8 from 16) up to max_num_seqs, which is always the last."""
@@ -36,7 +40,7 @@ class DecodeGraphs:
         self.kv = kv
         self.block_size = block_size
         self.sizes = buckets(max_num_seqs)
-        self.width = -(-max_model_len // block_size)   # block-table columns: enough for the longest sequence
+        self.width = -(-min(max_model_len, MAX_GRAPH_CONTEXT) // block_size)   # block-table columns
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         device = kv.device
@@ -70,10 +74,25 @@ class DecodeGraphs:
             attention.set_context(None)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        """Capture every bucket, largest first so smaller ones reuse its memory pool; log time and memory."""
+    def capture(self) -> bool:
+        """Capture every bucket, largest first so smaller ones reuse its memory pool; log time and memory.
+
+        A model whose forward cannot be captured (a host sync, a data-dependent shape) runs eagerly: the
+        failure is logged and False returned."""
         if not self.use_graphs:
-            return
+            return True
+        try:
+            self._capture_all()
+        except Exception:
+            log.exception("decode graphs could not be captured: decode steps run eagerly")
+            self.graphs.clear()
+            self.outputs.clear()
+            torch.cuda.synchronize(self.kv.device)
+            torch.cuda.empty_cache()
+            return False
+        return True
+
+    def _capture_all(self) -> None:
         start, before = time.perf_counter(), torch.cuda.memory_allocated(self.kv.device)
         pool = None
         for n in reversed(self.sizes):
@@ -90,8 +109,8 @@ class DecodeGraphs:
         log.info("captured %d decode graphs (batch %s) in %.2f s, %.1f MiB", len(self.graphs),
                  ",".join(map(str, self.sizes)), self.capture_s, self.graph_bytes / 2**20)
 
-    def fits(self, num_decodes: int) -> bool:
-        return 0 < num_decodes <= self.sizes[-1]
+    def fits(self, num_decodes: int, max_context: int) -> bool:
+        return 0 < num_decodes <= self.sizes[-1] and max_context <= self.width * self.block_size
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)

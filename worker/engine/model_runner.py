@@ -67,7 +67,8 @@ class ModelRunner:
             max_len = min(config.max_model_len or context_length(model), context_length(model))
             self.decode_graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size,
                                               config.max_num_seqs, max_len, use_graphs=True)
-            self.decode_graphs.capture()
+            if not self.decode_graphs.capture():
+                self.decode_graphs = None
 
     def release_model(self) -> None:
         """Give the model back as it came: dense linears and its own attention."""
@@ -79,7 +80,8 @@ class ModelRunner:
         """Forward the packed batch; logits [rows, vocab] for decodes and prefills that finish this step."""
         bs = self.config.block_size
         graphs = self.decode_graphs
-        if graphs is not None and not batch.prefills and graphs.fits(len(batch.decodes)):
+        if (graphs is not None and not batch.prefills
+                and graphs.fits(len(batch.decodes), max(seq.num_tokens for seq in batch.decodes))):
             return self._run_static(batch)
         ids, positions, slots, keep, spans = [], [], [], [], []
         for seq in batch.decodes:

@@ -1,7 +1,7 @@
 """The roll-up: recompute the summaries of every minute whose records changed (dirty_minutes), newest first.
 
 A minute's 10-second and 1-minute slots are computed from its records by the database (histogram buckets,
-counts, sums, its slowest requests); 15-minute and 1-hour slots are merged from the slots below them. A minute
+counts, sums, its slowest requests; each record's latencies worked out once, into a temporary table); 15-minute and 1-hour slots are merged from the slots below them. A minute
 is replaced whole, so running it twice changes nothing; it is only marked clean if its version did not change
 while its records were read, so a record written meanwhile is summarised by the next round.
 """
@@ -71,32 +71,48 @@ def _runs(minutes: Iterable[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def _range(sql: str) -> text:
-    return text(sql).bindparams(bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
-
-
 class Queries:
-    """The aggregate queries over one range of finished_at, in the dialect's spelling."""
+    """One range of finished_at: each record's slot and latencies computed once into a temporary table
+    (`rows`), then the aggregates read from it; in the dialect's spelling."""
 
     def __init__(self, dialect: str) -> None:
         s = Spelling(dialect)
-        slot = f"({s.seconds('finished_at')} / {FINE} * {FINE})"
-        where = "finished_at >= :lo AND finished_at < :hi"
-        self.histograms = {}
+        latencies = []
         for name in LATENCIES:
             expr, defined = s.latency(name)
-            self.histograms[name] = _range(
-                f"SELECT slot, b, count(*) FROM (SELECT {slot} AS slot, {histogram.sql_bucket(expr)} AS b "
-                f"FROM request_records WHERE {where} AND {defined}) AS v GROUP BY slot, b")
-        self.traffic = _range(
-            f"SELECT {slot} AS slot, finish_reason, count(*), sum(prompt_tokens), sum(completion_tokens), "
-            f"sum(cached_tokens), sum(batch_size), count(batch_size) FROM request_records WHERE {where} "
-            f"GROUP BY {slot}, finish_reason")
-        minute, e2e = f"({s.seconds('finished_at')} / 60)", s.latency("e2e")[0]
-        self.slowest = _range(
-            f"SELECT minute, request_id, e2e FROM (SELECT {minute} AS minute, request_id, {e2e} AS e2e, "
-            f"row_number() OVER (PARTITION BY {minute} ORDER BY {e2e} DESC, request_id) AS n "
-            f"FROM request_records WHERE {where}) AS ranked WHERE n <= {SLOWEST_PER_MINUTE}")
+            latencies.append(f"CASE WHEN {defined} THEN {expr} END AS {name}")
+        self.rows = text(
+            f"CREATE TEMPORARY TABLE rollup_rows AS SELECT {s.seconds('finished_at')} / {FINE} * {FINE} AS slot, "
+            f"request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, batch_size, "
+            f"{', '.join(latencies)} FROM request_records WHERE finished_at >= :lo AND finished_at < :hi"
+        ).bindparams(bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
+        self.drop = text("DROP TABLE IF EXISTS rollup_rows")
+        # Plain SQL, run on the driver's cursor: about one row per record and latency comes back.
+        self.histograms = {name: f"SELECT slot, {histogram.sql_bucket(name)} AS b, count(*) FROM rollup_rows "
+                                 f"WHERE {name} IS NOT NULL GROUP BY slot, b" for name in LATENCIES}
+        self.traffic = text(
+            "SELECT slot, finish_reason, count(*), sum(prompt_tokens), sum(completion_tokens), sum(cached_tokens), "
+            "sum(batch_size), count(batch_size) FROM rollup_rows GROUP BY slot, finish_reason")
+        self.slowest = text(
+            f"SELECT minute, request_id, e2e FROM (SELECT slot / 60 AS minute, request_id, e2e, row_number() "
+            f"OVER (PARTITION BY slot / 60 ORDER BY e2e DESC, request_id) AS n FROM rollup_rows) AS ranked "
+            f"WHERE n <= {SLOWEST_PER_MINUTE}")
+
+
+def _fetch(conn: Connection, sql: str) -> list[tuple]:
+    cursor = conn.connection.cursor()
+    try:
+        cursor.execute(sql)
+        return cursor.fetchall()
+    finally:
+        cursor.close()
+
+
+def _slot(slots: dict[tuple[int, int], Slot], key: tuple[int, int]) -> Slot:
+    slot = slots.get(key)
+    if slot is None:
+        slot = slots[key] = Slot()
+    return slot
 
 
 def compute(conn: Connection, minutes: Iterable[int]) -> tuple[dict[tuple[int, int], Slot], list[dict]]:
@@ -105,22 +121,29 @@ def compute(conn: Connection, minutes: Iterable[int]) -> tuple[dict[tuple[int, i
     slots: dict[tuple[int, int], Slot] = {}
     slow: list[dict] = []
     for first, last in _runs(minutes):
-        span = {"lo": _utc(first * 60), "hi": _utc((last + 1) * 60)}
-        for name in LATENCIES:
-            for start, b, n in conn.execute(q.histograms[name], span):
-                slots.setdefault((FINE, int(start)), Slot()).histograms[name][int(b)] += n
-        for start, reason, n, prompt, completion, cached, batch_sum, batch_n in conn.execute(q.traffic, span):
-            slot = slots.setdefault((FINE, int(start)), Slot())
-            slot.requests += n
-            slot.finish_reasons[reason or "unknown"] += n
-            slot.prompt_tokens += prompt or 0
-            slot.completion_tokens += completion or 0
-            slot.cached_tokens += cached or 0
-            slot.batch_size_sum += batch_sum or 0.0
-            slot.batch_size_count += batch_n or 0
-        slow += [{"minute": int(m), "request_id": rid, "e2e": e2e} for m, rid, e2e in conn.execute(q.slowest, span)]
+        conn.execute(q.drop)
+        conn.execute(q.rows, {"lo": _utc(first * 60), "hi": _utc((last + 1) * 60)})
+        try:
+            for name in LATENCIES:
+                current, counts = None, None
+                for start, b, n in _fetch(conn, q.histograms[name]):   # grouped by slot: one lookup per slot
+                    if start != current:
+                        current, counts = start, _slot(slots, (FINE, int(start))).histograms[name]
+                    counts[int(b)] += n
+            for start, reason, n, prompt, completion, cached, batch_sum, batch_n in conn.execute(q.traffic):
+                slot = _slot(slots, (FINE, int(start)))
+                slot.requests += n
+                slot.finish_reasons[reason or "unknown"] += n
+                slot.prompt_tokens += prompt or 0
+                slot.completion_tokens += completion or 0
+                slot.cached_tokens += cached or 0
+                slot.batch_size_sum += batch_sum or 0.0
+                slot.batch_size_count += batch_n or 0
+            slow += [{"minute": int(m), "request_id": rid, "e2e": e2e} for m, rid, e2e in conn.execute(q.slowest)]
+        finally:
+            conn.execute(q.drop)
     for (_, start), slot in list(slots.items()):
-        slots.setdefault((60, start // 60 * 60), Slot()).add(slot)
+        _slot(slots, (60, start // 60 * 60)).add(slot)
     return slots, slow
 
 

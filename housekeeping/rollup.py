@@ -86,7 +86,8 @@ class Queries:
             f"request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, batch_size, "
             f"{', '.join(latencies)} FROM request_records WHERE finished_at >= :lo AND finished_at < :hi"
         ).bindparams(bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
-        self.drop = text("DROP TABLE IF EXISTS rollup_rows")
+        # Qualified: never a table of that name outside this connection's temporary schema.
+        self.drop = text(f"DROP TABLE IF EXISTS {'temp' if dialect == 'sqlite' else 'pg_temp'}.rollup_rows")
         # Plain SQL, run on the driver's cursor: about one row per record and latency comes back.
         self.histograms = {name: f"SELECT slot, {histogram.sql_bucket(name)} AS b, count(*) FROM rollup_rows "
                                  f"WHERE {name} IS NOT NULL GROUP BY slot, b" for name in LATENCIES}

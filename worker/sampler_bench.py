@@ -132,59 +132,58 @@ def sampler_table(model, tokenizer, rows_list: list[int], repeats: int, workload
     return results
 
 
-def engine_run(model, tokenizer, requests, slots: int, config: dict, sampler) -> dict:
+def start_engine(model_source, tokenizer, requests, slots: int, config: dict, sampler) -> LLMEngine:
+    model, _ = load_model(model_source)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=slots, num_blocks=2048))
     if sampler is not None:
         engine.sampler = sampler
-    try:
-        for i, (ids, cap) in enumerate(requests):
-            engine.add_request(str(i), prompt_token_ids=ids,
-                               params=SamplingParams(**config, seed=i, max_new_tokens=cap, ignore_eos=True))
-        tokens, decode_tokens, decode_s, start = 0, 0, 0.0, time.perf_counter()
-        while engine.has_unfinished():
-            step_start = time.perf_counter()
-            made = sum(len(e.token_ids) for e in engine.step() if not e.finished)
-            seqs, batched = engine.last_batch
-            if seqs == batched:   # a decode-only step
-                decode_tokens += made
-                decode_s += time.perf_counter() - step_start
-            tokens += made
-        wall = time.perf_counter() - start
-    finally:
-        engine.release_model()
-    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_s else None}
+    for i, (ids, cap) in enumerate(requests):
+        engine.add_request(str(i), prompt_token_ids=ids,
+                           params=SamplingParams(**config, seed=i, max_new_tokens=cap, ignore_eos=True))
+    return engine
 
 
-def engine_table(model, tokenizer, slots: int, count: int, new_tokens: int, workload: Path, rounds: int) -> dict:
-    """Greedy, sampled and sampled with the previous sampler, in alternating rounds; best round of each."""
+def engine_table(model_source, tokenizer, slots: int, count: int, new_tokens: int, workload: Path) -> dict:
+    """Greedy, sampled and sampled with the previous sampler, each engine on its own copy of the model, stepped in
+    turn (one step of each, then the next), so load from elsewhere on the machine falls on all of them alike."""
     requests = [(r.prompt_ids, new_tokens) for r in load_workload(workload, tokenizer, count)]
     methods = {"greedy": (KINDS["greedy"], None), "sampled": (SAMPLED, None),
                "sampled_previous": (SAMPLED, PreviousSampler)}
-    best: dict[str, dict] = {}
-    engine_run(model, tokenizer, requests[:2], slots, KINDS["greedy"], None)   # warm-up, untimed
-    for _ in range(rounds):
-        for name, (config, make) in methods.items():
-            run = engine_run(model, tokenizer, requests, slots, config, make() if make else None)
-            if name not in best or run["tokens_per_s"] > best[name]["tokens_per_s"]:
-                best[name] = run
-    greedy, greedy_decode = best["greedy"]["tokens_per_s"], best["greedy"]["decode_tokens_per_s"]
-    for run in best.values():
-        run["vs_greedy"] = run["tokens_per_s"] / greedy
-        run["decode_vs_greedy"] = run["decode_tokens_per_s"] / greedy_decode
-    return {"slots": slots, "requests": len(requests), "new_tokens": new_tokens, "rounds": rounds, "methods": best}
+    engines = {name: start_engine(model_source, tokenizer, requests, slots, config, make() if make else None)
+               for name, (config, make) in methods.items()}
+    runs = {name: {"tokens": 0, "step_s": 0.0, "decode_tokens": 0, "decode_s": 0.0} for name in engines}
+    while any(e.has_unfinished() for e in engines.values()):
+        for name, engine in engines.items():
+            if not engine.has_unfinished():
+                continue
+            run, start = runs[name], time.perf_counter()
+            made = sum(len(e.token_ids) for e in engine.step() if not e.finished)
+            elapsed = time.perf_counter() - start
+            run["tokens"] += made
+            run["step_s"] += elapsed
+            seqs, batched = engine.last_batch
+            if seqs == batched:   # a decode-only step
+                run["decode_tokens"] += made
+                run["decode_s"] += elapsed
+    for run in runs.values():
+        run["tokens_per_s"] = run["tokens"] / run["step_s"]
+        run["decode_tokens_per_s"] = run["decode_tokens"] / run["decode_s"]
+    greedy = runs["greedy"]
+    for run in runs.values():
+        run["vs_greedy"] = run["tokens_per_s"] / greedy["tokens_per_s"]
+        run["decode_vs_greedy"] = run["decode_tokens_per_s"] / greedy["decode_tokens_per_s"]
+    return {"slots": slots, "requests": len(requests), "new_tokens": new_tokens, "methods": runs}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m worker.sampler_bench", description=__doc__)
     parser.add_argument("--model", default=os.environ.get("MODEL") or None)
-    parser.add_argument("--rows", default="16,64,256", help="batch sizes for the sampler alone")
+    parser.add_argument("--rows", default="16,64,256", help="batch sizes for the sampler alone ('' skips)")
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per case (median)")
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--engine-slots", type=int, default=16, help="0 skips the engine runs")
     parser.add_argument("--engine-requests", type=int, default=16)
     parser.add_argument("--engine-new-tokens", type=int, default=48)
-    parser.add_argument("--engine-rounds", type=int, default=2)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -194,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict:
             "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
             "torch": torch.__version__}
     print(json.dumps(info))
-    rows = sampler_table(model, tokenizer, [int(r) for r in args.rows.split(",")], args.repeats, args.workload)
+    rows = sampler_table(model, tokenizer, [int(r) for r in args.rows.split(",") if r], args.repeats, args.workload)
     print(f"{'rows':>5} {'kind':<18} {'new ms':>9} {'full sort ms':>13} {'previous ms':>12} {'vs greedy':>10} "
           f"{'speed-up':>9}")
     for r in rows:
@@ -202,11 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['new_vs_greedy']:>9.2f}x {r['speedup_vs_previous']:>8.2f}x")
     result = {"info": info, "sampler": rows}
     if args.engine_slots:
-        engine = engine_table(model, tokenizer, args.engine_slots, args.engine_requests, args.engine_new_tokens,
-                              args.workload, args.engine_rounds)
+        engine = engine_table(args.model, tokenizer, args.engine_slots, args.engine_requests,
+                              args.engine_new_tokens, args.workload)
         print(f"engine, {engine['requests']} requests x {engine['new_tokens']} tokens, {engine['slots']} slots:")
         for name, run in engine["methods"].items():
-            print(f"  {name:<18} {run['tokens_per_s']:8.1f} tok/s  {run['vs_greedy']:.3f}x greedy   decode steps "
+            print(f"  {name:<18} {run['tokens_per_s']:8.1f} tok/s  {run['vs_greedy']:.3f}x greedy   decode-only steps "
                   f"{run['decode_tokens_per_s']:8.1f} tok/s  {run['decode_vs_greedy']:.3f}x greedy")
         result["engine"] = engine
     if args.json:

@@ -66,6 +66,17 @@ def test_worker_settings_leave_the_device_defaults_to_the_engine(monkeypatch):
     assert expected_slots(settings) == 32 and settings.gpu_memory_utilization == 0.8
 
 
+def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch):
+    monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
+    monkeypatch.delenv("ENFORCE_EAGER", raising=False)
+    assert (WorkerSettings().attention_backend, WorkerSettings().enforce_eager) == (None, None)
+    monkeypatch.setenv("ATTENTION_BACKEND", "gather")
+    monkeypatch.setenv("ENFORCE_EAGER", "1")
+    assert (WorkerSettings().attention_backend, WorkerSettings().enforce_eager) == ("gather", True)
+    monkeypatch.setenv("ENFORCE_EAGER", "0")
+    assert WorkerSettings().enforce_eager is None   # the device's default, not the CPU's static-buffer mode
+
+
 def test_the_runner_sizes_a_cpu_engine_by_the_cpu_rule(tiny):
     from worker.engine import LLMEngine
 

@@ -28,6 +28,10 @@ class WorkerSettings:
     max_num_seqs: int | None = field(default_factory=lambda: _optional("MAX_NUM_SEQS", int))
     max_num_batched_tokens: int = field(default_factory=lambda: _int("MAX_NUM_BATCHED_TOKENS", 512))
     kv_cache_gib: float | None = field(default_factory=lambda: _optional("KV_CACHE_GIB", float))
+    # Unset: decode steps replayed as CUDA graphs on CUDA, eager on CPU; "1" forces eager everywhere.
+    enforce_eager: bool | None = field(default_factory=lambda: True if os.environ.get("ENFORCE_EAGER") == "1" else None)
+    # Unset: the C kernel on CPU (float32, when a compiler is present), else gathering the context.
+    attention_backend: str | None = field(default_factory=lambda: os.environ.get("ATTENTION_BACKEND") or None)
     gpu_memory_utilization: float = field(
         default_factory=lambda: float(os.environ.get("GPU_MEMORY_UTILIZATION") or "0.9"))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 
 import redis
-from sqlalchemy import bindparam, func, select, text
+from sqlalchemy import bindparam, select, text
 from sqlalchemy.orm import Session
 
 from housekeeping import histogram, lease, rollup

@@ -64,3 +64,11 @@ def test_a_worker_announces_its_slots_kv_pool_and_device(stack):
         assert beat_["kv_blocks"] > 0 and beat_["kv_tokens"] == beat_["kv_blocks"] * beat_["kv_block_size"]
         assert beat_["kv_bytes"] > 0
         assert beat_["kv_sizing"] == f"{float(stack.env['KV_CACHE_GIB']):g} GiB"   # how the pool got its size
+    # The same in the worker's start line, where an operator reads it, with the attention that runs.
+    log = stack.workdir / "worker.log"
+    deadline = time.monotonic() + 30
+    while "ready with" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    line = next(text for text in log.read_text().splitlines() if "ready with" in text)
+    slots, sizing = stack.env["MAX_NUM_SEQS"], f"{float(stack.env['KV_CACHE_GIB']):g} GiB"
+    assert f"{slots} slots" in line and f"sized by {sizing}" in line and "; attention " in line, line

@@ -99,10 +99,25 @@ class WorkerRuntime:
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
         Reaper(self, s.lost_after_s).start()
+
+    def describe(self) -> str:
+        """The start line: model, device, slots, how the KV pool was sized, attention and decode graphs."""
         size = capacity(self.engine)
-        log.info("worker %s ready with %s on %s: %d slots, KV pool %s blocks (%s tokens, %.2f GiB) sized by %s",
-                 s.name, self.model_name, size["device"], size["slots"], size["kv_blocks"], size["kv_tokens"],
-                 (size["kv_bytes"] or 0) / 2**30, size["kv_sizing"])
+        runner = getattr(self.engine, "runner", None)
+        line = (f"worker {self.settings.name} ready with {self.model_name} on {size['device']}: {size['slots']} slots, "
+                f"KV pool {size['kv_blocks']} blocks ({size['kv_tokens']} tokens, {(size['kv_bytes'] or 0) / 2**30:.2f} "
+                f"GiB) sized by {size['kv_sizing']}")
+        if runner is not None:
+            line += f"; attention {runner.attention_backend}"
+            graphs = runner.decode_graphs
+            if graphs is None:
+                line += "; decode steps eager"
+            elif graphs.graphs:
+                line += (f"; {len(graphs.graphs)} decode graphs captured in {graphs.capture_s:.2f} s, "
+                         f"{graphs.graph_bytes / 2**20:.1f} MiB")
+            else:
+                line += f"; decode steps through {len(graphs.sizes)} static buckets, no graphs"
+        return line
 
     # ---- outputs ----------------------------------------------------------------------------
 

@@ -7,7 +7,8 @@ import threading
 
 from celery import states
 from celery.exceptions import Reject
-from celery.signals import task_postrun, task_received, worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import (task_postrun, task_received, worker_init, worker_ready, worker_shutdown,
+                            worker_shutting_down)
 
 from messaging.contract import GENERATE_TASK
 from worker.celery_app import celery
@@ -33,6 +34,12 @@ def runtime() -> WorkerRuntime:
 def _load_before_consuming(**_) -> None:
     # The thread pool never forks, so the model is loaded once, here, before the first task arrives.
     runtime()
+
+
+@worker_ready.connect
+def _announce(**_) -> None:
+    # After Celery has set up logging (worker_init comes before it): slots, KV pool, attention, graphs.
+    log.info(runtime().describe())
 
 
 @worker_shutting_down.connect

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from worker.engine import EngineConfig
@@ -75,6 +77,17 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     assert (WorkerSettings().attention_backend, WorkerSettings().enforce_eager) == ("gather", True)
     monkeypatch.setenv("ENFORCE_EAGER", "0")
     assert WorkerSettings().enforce_eager is None   # the device's default, not the CPU's static-buffer mode
+
+
+@pytest.mark.parametrize("name, value, says", [
+    ("GPU_MEMORY_UTILIZATION", "most", "GPU_MEMORY_UTILIZATION must be a number; got 'most'"),
+    ("MAX_NUM_SEQS", "lots", "MAX_NUM_SEQS must be an integer; got 'lots'"),
+    ("ENFORCE_EAGER", "maybe", "ENFORCE_EAGER must be 1 or 0"),
+])
+def test_a_malformed_worker_setting_names_itself_and_its_value(monkeypatch, name, value, says):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=re.escape(says)):
+        WorkerSettings()
 
 
 def test_the_runner_sizes_a_cpu_engine_by_the_cpu_rule(tiny):

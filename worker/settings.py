@@ -7,14 +7,38 @@ import socket
 from dataclasses import dataclass, field
 
 
+def _parse(name: str, value: str, kind: type) -> int | float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}; got {value!r}. "
+                         f"Fix it in the environment (or .env), or unset it for the default.") from None
+
+
 def _int(name: str, default: int) -> int:
-    return int(os.environ.get(name, default))
+    return _parse(name, os.environ.get(name) or str(default), int)
+
+
+def _float(name: str, default: float) -> float:
+    return _parse(name, os.environ.get(name) or str(default), float)
 
 
 def _optional(name: str, kind: type) -> int | float | None:
     """Unset or empty: None, for a default that depends on the device."""
     value = os.environ.get(name)
-    return kind(value) if value else None
+    return _parse(name, value, kind) if value else None
+
+
+def _switch(name: str) -> bool | None:
+    """"1"/"true"/"yes"/"on": True; "0"/"false"/"no"/"off", unset or empty: None (the device's default)."""
+    value = (os.environ.get(name) or "").strip().lower()
+    if not value:
+        return None
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return None
+    raise ValueError(f"{name} must be 1 or 0 (true/false); got {value!r}.")
 
 
 @dataclass
@@ -29,20 +53,19 @@ class WorkerSettings:
     max_num_batched_tokens: int = field(default_factory=lambda: _int("MAX_NUM_BATCHED_TOKENS", 512))
     kv_cache_gib: float | None = field(default_factory=lambda: _optional("KV_CACHE_GIB", float))
     # Unset: decode steps replayed as CUDA graphs on CUDA, eager on CPU; "1" forces eager everywhere.
-    enforce_eager: bool | None = field(default_factory=lambda: True if os.environ.get("ENFORCE_EAGER") == "1" else None)
+    enforce_eager: bool | None = field(default_factory=lambda: _switch("ENFORCE_EAGER"))
     # Unset: the C kernel on CPU (float32, when a compiler is present), else gathering the context.
     attention_backend: str | None = field(default_factory=lambda: os.environ.get("ATTENTION_BACKEND") or None)
-    gpu_memory_utilization: float = field(
-        default_factory=lambda: float(os.environ.get("GPU_MEMORY_UTILIZATION") or "0.9"))
+    gpu_memory_utilization: float = field(default_factory=lambda: _float("GPU_MEMORY_UTILIZATION", 0.9))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
-    shutdown_grace_s: float = field(default_factory=lambda: float(os.environ.get("SHUTDOWN_GRACE_S", "15")))
+    shutdown_grace_s: float = field(default_factory=lambda: _float("SHUTDOWN_GRACE_S", 15))
     # How long a finished answer waits for the database (its final write) and for Redis (its final event)
     # before the request is handed back to the queue to be answered again.
-    sql_retry_s: float = field(default_factory=lambda: float(os.environ.get("SQL_RETRY_S", "60")))
-    redis_retry_s: float = field(default_factory=lambda: float(os.environ.get("REDIS_RETRY_S", "60")))
+    sql_retry_s: float = field(default_factory=lambda: _float("SQL_RETRY_S", 60))
+    redis_retry_s: float = field(default_factory=lambda: _float("REDIS_RETRY_S", 60))
     # An accepted request found in no queue and held by no worker this long after it was accepted was lost in
     # a fault (worker/reaper.py): it is queued again from its copy, or its customer is told to send it again.
-    lost_after_s: float = field(default_factory=lambda: float(os.environ.get("LOST_AFTER_S", "20")))
+    lost_after_s: float = field(default_factory=lambda: _float("LOST_AFTER_S", 20))
     # Text deltas are sent at most this often, every request's together in one message (worker/publisher.py).
     stream_window_s: float = field(default_factory=lambda: float(os.environ.get("STREAM_WINDOW_MS", "50")) / 1000)
     # Benchmarks only: tokens per second per request from a stand-in engine with no model (worker/synthetic.py).

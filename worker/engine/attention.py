@@ -90,6 +90,11 @@ def choose_backend(requested: str | None, device: torch.device, dtype: torch.dty
     return "gather"
 
 
+def _padded_tables(spans: list[Span], width: int) -> list[list[int]]:
+    """Each span's first `width` block ids, padded with block 0 (masked out by the context lengths)."""
+    return [s.table[:width] + [0] * (width - len(s.table[:width])) for s in spans]
+
+
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
                   block_size: int) -> StepContext:
     device = kv.device
@@ -100,8 +105,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
             row_seq += [i] * s.length
             row_pos += range(s.context - s.length, s.context)
         width = max(-(-s.context // block_size) for s in spans)
-        tables = torch.tensor([s.table[:width] + [0] * (width - len(s.table[:width])) for s in spans],
-                              dtype=torch.int32)
+        tables = torch.tensor(_padded_tables(spans, width), dtype=torch.int32)
         row_seq_t = torch.tensor(row_seq, dtype=torch.int32)
         row_pos_t = torch.tensor(row_pos, dtype=torch.int32)
         ctx.kernel_tensors = (row_seq_t, row_pos_t, tables)
@@ -111,8 +115,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
     decodes = spans[:num_decodes]
     if decodes:
         width = max(-(-s.context // block_size) for s in decodes)
-        ctx.decode_blocks = torch.tensor([s.table[:width] + [0] * (width - len(s.table[:width])) for s in decodes],
-                                         device=device)
+        ctx.decode_blocks = torch.tensor(_padded_tables(decodes, width), device=device)
         lengths = torch.tensor([s.context for s in decodes], device=device)
         mask = torch.arange(width * block_size, device=device)[None, :] < lengths[:, None]
         ctx.decode_mask = mask[None, :, None, :]

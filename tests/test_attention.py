@@ -106,3 +106,31 @@ def test_decode_buckets_grow_by_eight_past_sixteen_and_end_at_the_slot_count():
     assert buckets(48) == [1, 2, 4, 8, 16, 24, 32, 40, 48]
     assert buckets(50) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 50]
     assert buckets(6) == [1, 2, 4, 6]
+
+
+def test_flex_decode_reads_the_pool_in_place_through_tables_rewritten_between_calls():
+    """The static-buffer decode path: one BlockMask over int32 buffers, refilled for each step as a graph
+    replay would see them, with stale ids left in the columns a row does not use."""
+    heads, kv_heads, head_dim, block_size, rows = 9, 3, 64, 16, 5
+    kv, *_ = random_step(heads, kv_heads, head_dim, block_size, seed=0)
+    pool_blocks = kv.shape[3]
+    tables = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)   # stale ids everywhere
+    last = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)
+    full_num = torch.zeros(rows, dtype=torch.int32)
+    limit = torch.ones(rows, dtype=torch.int32)
+    mask = attention.paged_block_mask(tables, full_num, last, limit, block_size, heads // kv_heads)
+    for seed in (1, 2):
+        step_kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=seed)
+        kv.copy_(step_kv)
+        decodes = spans[:rows]
+        for i, s in enumerate(decodes):   # the decode rows' new K/V are in the pool already
+            for p in range(s.context - 1, s.context):
+                b, o = s.table[p // block_size], p % block_size
+                kv[0, 1, :, b, o], kv[1, 1, :, b, o] = history[i][0][:, p], history[i][1][:, p]
+            full = (s.context - 1) // block_size
+            tables[i, :full] = torch.tensor(s.table[:full], dtype=torch.int32)
+            full_num[i], last[i, 0] = full, s.table[full]
+            limit[i] = s.table[full] * block_size + s.context - full * block_size
+        out = attention._flex_decode(q[:, :rows], kv[0, 1], kv[1, 1], mask, None)
+        want = dense_reference(q, decodes, history[:rows], heads, kv_heads)[:rows].transpose(0, 1)
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)

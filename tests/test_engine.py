@@ -63,21 +63,24 @@ def ref_model(tiny_model_dir):
 
 # ---- greedy equivalence ---------------------------------------------------------------------------
 
-@pytest.mark.parametrize("packed,attn,eager", [(True, "kernel", None), (True, "gather", None),
-                                               (False, "kernel", None), (True, "kernel", False)],
-                         ids=["packed-kernel", "packed-gather", "dense-kernel", "static-decode-buckets"])
+@pytest.mark.parametrize("packed,attn,eager,decode", [(True, "kernel", None, None), (True, "gather", None, None),
+                                                      (False, "kernel", None, None), (True, "kernel", False, "flex"),
+                                                      (True, "kernel", False, "gather")],
+                         ids=["packed-kernel", "packed-gather", "dense-kernel", "static-buckets-flex",
+                              "static-buckets-gather"])
 def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
-                                                                                      eager):
+                                                                                      eager, decode):
     model, tok = tiny
     # A small pool forces preemption; a small token budget forces chunked prefill.
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
                                                 num_blocks=44, pack_cpu_linears=packed, attention_backend=attn,
-                                                enforce_eager=eager))
+                                                enforce_eager=eager, decode_attention=decode))
     assert engine.runner.attention_backend == attn or cpu_kernel.load() is None
     graphs = engine.runner.decode_graphs
     assert (graphs is not None) == (eager is False)
     if graphs is not None:   # decode steps of 3 run in bucket 4: one padding row
         assert graphs.sizes == [1, 2, 4] and graphs.bucket(3) == 4
+        assert graphs.attention_mode == decode
     arrivals = {0: [0, 1, 2], 3: [3], 5: [4, 5], 9: [6], 14: [7]}
     caps = [30, 12, 25, 20, 30, 8, 27, 16]
     prompts = {str(i): chat_ids(tok, q, SYSTEM if i != 4 else None) for i, q in enumerate(QUESTIONS)}
@@ -568,14 +571,16 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where
 # ---- CUDA: run wherever a GPU is present -----------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("eager", [None, True], ids=["decode-graphs", "eager"])
-def test_greedy_matches_generate_on_cuda(tiny_model_dir, eager):
+@pytest.mark.parametrize("eager,decode", [(None, "flex"), (None, "gather"), (True, None)],
+                         ids=["decode-graphs-flex", "decode-graphs-gather", "eager"])
+def test_greedy_matches_generate_on_cuda(tiny_model_dir, eager, decode):
     model, tok = load_model(str(tiny_model_dir), device="cuda", dtype="float32")
     ref = load_model(str(tiny_model_dir), device="cuda", dtype="float32")[0]
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
-                                                num_blocks=44, enforce_eager=eager))
+                                                num_blocks=44, enforce_eager=eager, decode_attention=decode))
     graphs = engine.runner.decode_graphs
     assert (graphs is not None and len(graphs.graphs) == len(graphs.sizes)) == (eager is None)
+    assert graphs is None or graphs.attention_mode == decode
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     caps = [30, 12, 25, 20, 30, 8, 27, 16]
     for i, ids in enumerate(prompts[:3]):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from worker.engine import EngineConfig
+from worker.engine import EngineConfig, attention
 from worker.engine.sizing import CPU_KV_CACHE_GIB, size_engine
 from worker.settings import WorkerSettings, expected_slots
 
@@ -77,6 +77,15 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     assert (WorkerSettings().attention_backend, WorkerSettings().enforce_eager) == ("gather", True)
     monkeypatch.setenv("ENFORCE_EAGER", "0")
     assert WorkerSettings().enforce_eager is None   # the device's default, not the CPU's static-buffer mode
+    monkeypatch.delenv("DECODE_ATTENTION", raising=False)
+    assert WorkerSettings().decode_attention is None
+    monkeypatch.setenv("DECODE_ATTENTION", "gather")
+    assert WorkerSettings().decode_attention == "gather"
+    assert attention.choose_decode_attention(None) == "gather"
+    assert attention.choose_decode_attention("flex") == "flex"
+    monkeypatch.setenv("DECODE_ATTENTION", "paged")
+    with pytest.raises(ValueError, match="Unknown decode attention 'paged'; choose one of flex, gather"):
+        attention.choose_decode_attention(None)
 
 
 @pytest.mark.parametrize("name, value, says", [

@@ -86,6 +86,7 @@ class Setup:
     pad_id: int
     temperature: float = 0.0      # 0: greedy, checked against sequential generate
     ignore_eos: bool = False      # every request runs to its cap
+    engine_options: dict = field(default_factory=dict)   # EngineConfig fields from --decode
 
     @property
     def stop_ids(self) -> set[int]:
@@ -384,7 +385,7 @@ def run_engine(setup: Setup, slots: int, budget: int, name: str = "engine", pack
     # The pool is sized by the same rule as transformers_cb's, so peak memory compares like for like.
     blocks = cb_num_blocks(setup.requests, slots, ENGINE_BLOCK_SIZE)
     config = EngineConfig(max_num_seqs=slots, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
-                          num_blocks=blocks, pack_cpu_linears=pack)
+                          num_blocks=blocks, pack_cpu_linears=pack, **setup.engine_options)
     engine = LLMEngine(setup.model, setup.tokenizer, config)
     try:
         return drive_engine(setup, engine, name)
@@ -452,7 +453,8 @@ def describe(info: dict) -> str:
 
     return (f"device={info['device']} dtype={info['dtype']} slots={info['slots']} model={info['model']} "
             f"torch={torch.__version__} transformers={transformers.__version__} "
-            f"threads={torch.get_num_threads()} python={platform.python_version()}")
+            f"threads={torch.get_num_threads()} python={platform.python_version()}"
+            + (f" decode={info['decode']}" if info.get("decode") else ""))
 
 
 def plot_methods(path: Path, methods: dict[str, dict], runs: dict[str, Run]) -> None:
@@ -516,6 +518,11 @@ def plot_sweep(path: Path, sweep: dict[int, dict]) -> None:
 # ---------------------------------------------------------------- driver
 
 
+DECODE_CHOICES = {"eager": {"enforce_eager": True},
+                  "flex": {"enforce_eager": False, "decode_attention": "flex"},
+                  "gather": {"enforce_eager": False, "decode_attention": "gather"}}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__)
     parser.add_argument("--model", default=os.environ.get("MODEL") or None,
@@ -548,6 +555,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip", default="", help=f"comma-separated, from: {','.join(SKIPPABLE)}")
     parser.add_argument("--sweep-slots", default=None,
                         help="e.g. 1,2,4,8,16,32: measure only the engine at each slot count (no reference run)")
+    parser.add_argument("--decode", choices=sorted(DECODE_CHOICES), default=None,
+                        help="the engine's decode steps: eager, or through static buffers (CUDA graphs on CUDA) "
+                             "with flex (in place) or gather attention (default: the device's default)")
     parser.add_argument("--ablate", action="store_true",
                         help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -610,7 +620,9 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     info = {"slots": args.slots, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "model": getattr(model, "name_or_source", args.model), "workload": Path(args.workload).name}
     setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
-                  ignore_eos=nano)
+                  ignore_eos=nano, engine_options=DECODE_CHOICES[args.decode] if args.decode else {})
+    if args.decode:
+        info["decode"] = args.decode
     return setup, info
 
 
@@ -692,7 +704,7 @@ def profile_decode(setup: Setup, seqs: int, sampling: str, steps: int) -> dict:
     cap = -(-sum(map(len, prompts)) // (budget - seqs)) + 2 * steps + 8
     blocks = sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts) + 1
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
-                          num_blocks=blocks)
+                          num_blocks=blocks, **setup.engine_options)
     engine = LLMEngine(setup.model, setup.tokenizer, config)
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)

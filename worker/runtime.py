@@ -78,7 +78,8 @@ class WorkerRuntime:
         s = self.settings
         config = EngineConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                               kv_cache_memory_gib=s.kv_cache_gib, gpu_memory_utilization=s.gpu_memory_utilization,
-                              enforce_eager=s.enforce_eager, attention_backend=s.attention_backend)
+                              enforce_eager=s.enforce_eager, attention_backend=s.attention_backend,
+                              decode_attention=s.decode_attention)
         if s.synthetic_token_rate:   # benchmarks of the web tier only (worker/synthetic.py)
             from worker.synthetic import SyntheticEngine
             self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs or default_slots("cpu"))
@@ -113,10 +114,10 @@ class WorkerRuntime:
             if graphs is None:
                 line += "; decode steps eager"
             elif graphs.graphs:
-                line += (f"; {len(graphs.graphs)} decode graphs captured in {graphs.capture_s:.2f} s, "
-                         f"{graphs.graph_bytes / 2**20:.1f} MiB")
+                line += (f"; {len(graphs.graphs)} decode graphs ({graphs.attention_mode} attention) captured in "
+                         f"{graphs.capture_s:.2f} s, {graphs.graph_bytes / 2**20:.1f} MiB")
             else:
-                line += f"; decode steps through {len(graphs.sizes)} static buckets, no graphs"
+                line += f"; decode steps through {len(graphs.sizes)} static buckets ({graphs.attention_mode} attention), no graphs"
         return line
 
     # ---- outputs ----------------------------------------------------------------------------

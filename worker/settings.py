@@ -56,6 +56,9 @@ class WorkerSettings:
     enforce_eager: bool | None = field(default_factory=lambda: _switch("ENFORCE_EAGER"))
     # Unset: the C kernel on CPU (float32, when a compiler is present), else gathering the context.
     attention_backend: str | None = field(default_factory=lambda: os.environ.get("ATTENTION_BACKEND") or None)
+    # Decode steps through static buffers (CUDA graphs): "flex" reads the KV pool in place, "gather" copies
+    # each context out. Unset: "flex", else "gather" when flex does not compile or capture.
+    decode_attention: str | None = field(default_factory=lambda: os.environ.get("DECODE_ATTENTION") or None)
     gpu_memory_utilization: float = field(default_factory=lambda: _float("GPU_MEMORY_UTILIZATION", 0.9))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
     shutdown_grace_s: float = field(default_factory=lambda: _float("SHUTDOWN_GRACE_S", 15))

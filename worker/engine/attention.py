@@ -9,6 +9,9 @@ pool in place and attends over each sequence's blocks, through one of two backen
 - "gather": PyTorch only, any device and dtype. Each layer gathers the batch's blocks into SDPA's
   layout; decode rows share one SDPA call, each prefill chunk gets its own.
 
+Decode steps through the static buffers of device.DecodeGraphs read the pool in place with a compiled
+FlexAttention call instead of gathering ("flex", see `paged_block_mask`), or gather as above.
+
 The pool is laid out [kv_heads, blocks, block_size, head_dim] per layer, so gathering a batch's
 blocks yields [kv_heads, seqs, tokens, head_dim] with no transpose: (kv_heads, seqs) are the
 batch dimensions of one SDPA call, and the query heads that share a KV head are its query rows
@@ -29,6 +32,7 @@ from . import cpu_kernel
 
 ATTN_NAME = "engine_paged"
 BACKENDS = ("kernel", "gather")
+DECODE_MODES = ("flex", "gather")   # decode attention in the static-buffer (CUDA-graph) path
 log = logging.getLogger(__name__)
 
 
@@ -61,6 +65,7 @@ class StepContext:
     # gather backend
     decode_blocks: torch.Tensor | None = None   # [decodes, max_blocks]
     decode_mask: torch.Tensor | None = None     # [1, decodes, 1, max_blocks * block_size]
+    decode_block_mask: object | None = None      # FlexAttention BlockMask: decodes read the pool in place
     prefills: list[PrefillChunk] = field(default_factory=list)
     # kernel backend: per-row sequence index and position, block tables, and the C call's step arguments
     kernel_tensors: tuple[torch.Tensor, ...] = ()
@@ -88,6 +93,14 @@ def choose_backend(requested: str | None, device: torch.device, dtype: torch.dty
             return "kernel"
         log.warning("attention backend 'kernel' unavailable: using 'gather'")
     return "gather"
+
+
+def choose_decode_attention(requested: str | None) -> str | None:
+    """The decode attention asked for (EngineConfig or DECODE_ATTENTION), None for the default order."""
+    requested = requested or os.environ.get("DECODE_ATTENTION") or None
+    if requested is not None and requested not in DECODE_MODES:
+        raise ValueError(f"Unknown decode attention {requested!r}; choose one of {', '.join(DECODE_MODES)}.")
+    return requested
 
 
 def _padded_tables(spans: list[Span], width: int) -> list[list[int]]:
@@ -164,7 +177,9 @@ def _gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
 
     out = torch.empty_like(q)
     nd = ctx.num_decodes
-    if nd:
+    if nd and ctx.decode_block_mask is not None:
+        out[:, :nd] = _flex_decode(q[:, :nd], k_cache, v_cache, ctx.decode_block_mask, scaling)
+    elif nd:
         out[:, :nd] = _decode_attention(q[:, :nd], k_cache, v_cache, ctx, scaling)
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
@@ -186,6 +201,68 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys, values = _gather(k_cache, ctx.decode_blocks), _gather(v_cache, ctx.decode_blocks)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.decode_mask, scale=scaling)
     return o.transpose(1, 2).reshape(heads, nd, d)
+
+
+# ---- decode in place: FlexAttention over the whole pool, restricted to each row's blocks -------------
+#
+# Keys and values are a layer's pool viewed as one long sequence [1, kv_heads, blocks * block_size, d]
+# (batch 1, broadcast over the decode rows). Row b's BlockMask lists its blocks by id: its full blocks
+# (`full_num[b]` ids in `tables[b]`, attended without a mask) and its last block (`last[b, 0]`), where
+# `mask_mod` keeps the keys below `limit[b]` = last block * block_size + tokens in it. The query heads
+# that share a KV head are the query "positions" of one row, so grouped-query attention needs no repeat
+# and no power-of-two group. The BlockMask holds views of static buffers: writing new tables into them
+# changes what the next call (or graph replay) reads.
+#
+# Only the compiled kernel honours the block lists; FlexAttention's eager fallback applies `mask_mod`
+# alone over every key of the pool, which this mask does not describe. `_flex` therefore refuses to run
+# eagerly: a recompile past dynamo's limit raises instead of falling back.
+
+_compiled_flex = None
+
+
+def _flex():
+    global _compiled_flex
+    if _compiled_flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
+    return _compiled_flex
+
+
+def paged_block_mask(tables: torch.Tensor, full_num: torch.Tensor, last: torch.Tensor, limit: torch.Tensor,
+                     block_size: int, group: int):
+    """BlockMask for decode rows over the pool in place, from int32 buffers of the rows' block tables.
+
+    tables [rows, pool_blocks]: each row's block ids (its first full_num[rows] are full blocks);
+    last [rows, pool_blocks]: the row's last block id in column 0; limit [rows]: its first key past the end."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    rows, pool_blocks = tables.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        end = limit[b]
+        return (kv_idx // block_size != (end - 1) // block_size) | (kv_idx < end)
+
+    ones = torch.ones(rows, 1, 1, dtype=torch.int32, device=tables.device)
+    kwargs = dict(BLOCK_SIZE=(128, block_size), mask_mod=mask_mod, seq_lengths=(group, pool_blocks * block_size))
+    args = (ones, last[:, None, None], full_num[:, None, None], tables[:, None, None])
+    try:
+        return BlockMask.from_kv_blocks(*args, compute_q_blocks=False, **kwargs)
+    except TypeError:   # torch without compute_q_blocks: the transposed lists are computed, and unused
+        return BlockMask.from_kv_blocks(*args, **kwargs)
+
+
+def _flex_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
+                 scaling: float | None) -> torch.Tensor:
+    heads, nd, d = q.shape
+    kv_heads, blocks, block_size, _ = k_cache.shape
+    group = heads // kv_heads
+    rows = q.reshape(kv_heads, group, nd, d).permute(2, 0, 1, 3).contiguous()     # [nd, kvh, group, d]
+    keys = k_cache.view(1, kv_heads, blocks * block_size, d)
+    values = v_cache.view(1, kv_heads, blocks * block_size, d)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        o = _flex()(rows, keys, values, block_mask=block_mask, scale=scaling)
+    return o.permute(1, 2, 0, 3).reshape(heads, nd, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

@@ -18,6 +18,8 @@ class EngineConfig:
     pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see packed_linear.py)
     enforce_eager: bool | None = None    # None: decode graphs on CUDA, eager on CPU; False on CPU: static buffers
     attention_backend: str | None = None  # "kernel" or "gather"; None: $ATTENTION_BACKEND, else the device's best
+    decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";
+                                         # None: $DECODE_ATTENTION, else "flex", falling back to "gather"
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -3,7 +3,9 @@
 A decode-only step of n sequences runs in the smallest bucket >= n: its token ids, positions, cache
 slots, block tables and context lengths are copied into fixed buffers, the rows past n are padding
 (they write to a scratch block of the pool and read one key of it), and the bucket's captured graph
-replays. On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and
+replays. Decode attention either reads the pool in place ("flex", a compiled FlexAttention kernel whose
+block lists are the step's block tables: any context length fits) or gathers each row's blocks up to a
+static width ("gather", MAX_GRAPH_CONTEXT tokens at most). On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and
 buckets run eagerly (how the tests exercise this path); by default CPU steps skip it entirely.
 """
 
@@ -19,8 +21,8 @@ from .attention import StepContext
 
 log = logging.getLogger(__name__)
 
-# The static block tables cover this many tokens at most: decode attention gathers the whole width
-# in a graph, so a longer context would cost every step. Steps past it run eagerly.
+# With "gather", the static block tables cover this many tokens at most: decode attention gathers the
+# whole width in a graph, so a longer context would cost every step. Steps past it run eagerly.
 MAX_GRAPH_CONTEXT = 2048
 
 
@@ -35,24 +37,47 @@ class DecodeGraphs:
     """Static buffers for decode steps of up to max_num_seqs sequences, and one graph per bucket."""
 
     def __init__(self, model, kv: torch.Tensor, scratch_block: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, use_graphs: bool) -> None:
+                 max_model_len: int, use_graphs: bool, attention_mode: str = "flex") -> None:
+        if attention_mode not in attention.DECODE_MODES:
+            raise ValueError(f"Unknown decode attention {attention_mode!r}; choose one of "
+                             f"{', '.join(attention.DECODE_MODES)}.")
         self.model = model
         self.kv = kv
         self.block_size = block_size
+        self.attention_mode = attention_mode
         self.sizes = buckets(max_num_seqs)
-        self.width = -(-min(max_model_len, MAX_GRAPH_CONTEXT) // block_size)   # block-table columns
+        self.flex = attention_mode == "flex"
+        if self.flex:   # block-table columns: every block of the pool (a row's context is unbounded)
+            self.width = kv.shape[3]
+        else:
+            self.width = -(-min(max_model_len, MAX_GRAPH_CONTEXT) // block_size)
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         device = kv.device
         n = self.sizes[-1]
-        self.input_ids = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.positions = torch.zeros(1, n, dtype=torch.long, device=device)
-        self.slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=device)
-        self.tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
-        self.context = torch.ones(n, dtype=torch.long, device=device)
+        # rows: token ids, positions, cache slots, context lengths, then for "flex" full-block counts,
+        # last blocks and key limits
+        self.rows = torch.zeros(7 if self.flex else 4, n, dtype=torch.long, device=device)
+        self.rows[2].fill_(self.scratch_slot)
+        self.rows[3].fill_(1)
+        self.input_ids, self.positions = self.rows[0:1], self.rows[1:2]
+        self.slots, self.context = self.rows[2], self.rows[3]
+        table_type = torch.int32 if self.flex else torch.long
+        self.tables = torch.full((n, self.width), scratch_block, dtype=table_type, device=device)
         # Host staging: one non-blocking copy per step into the device buffers.
         pin = device.type == "cuda"
-        self.host = torch.zeros(4 * n + n * self.width, dtype=torch.long, pin_memory=pin)
+        self.host_rows = torch.zeros(self.rows.shape, dtype=torch.long, pin_memory=pin)
+        self.host_table = torch.zeros(n * self.width, dtype=table_type, pin_memory=pin)
+        self.block_masks = {}
+        if self.flex:
+            self.full_num = torch.zeros(n, dtype=torch.int32, device=device)
+            self.last = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=device)
+            self.limit = torch.full((n,), self.scratch_slot + 1, dtype=torch.int32, device=device)
+            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+            group = config.num_attention_heads // kv.shape[2]
+            self.block_masks = {b: attention.paged_block_mask(self.tables[:b], self.full_num[:b], self.last[:b],
+                                                              self.limit[:b], block_size, group)
+                                for b in self.sizes}
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -62,10 +87,13 @@ class DecodeGraphs:
         self.graph_bytes = 0
 
     def _forward(self, n: int) -> torch.Tensor:
-        positions = torch.arange(self.width * self.block_size, device=self.kv.device)
-        mask = positions[None, :] < self.context[:n, None]
-        ctx = StepContext(kv=self.kv, slots=self.slots[:n], backend="gather", num_decodes=n,
-                          decode_blocks=self.tables[:n], decode_mask=mask[None, :, None, :])
+        ctx = StepContext(kv=self.kv, slots=self.slots[:n], backend="gather", num_decodes=n)
+        if self.flex:
+            ctx.decode_block_mask = self.block_masks[n]
+        else:
+            positions = torch.arange(self.width * self.block_size, device=self.kv.device)
+            mask = positions[None, :] < self.context[:n, None]
+            ctx.decode_blocks, ctx.decode_mask = self.tables[:n], mask[None, :, None, :]
         attention.set_context(ctx)
         try:
             return self.model(input_ids=self.input_ids[:, :n], position_ids=self.positions[:, :n],
@@ -77,14 +105,14 @@ class DecodeGraphs:
     def capture(self) -> bool:
         """Capture every bucket, largest first so smaller ones reuse its memory pool; log time and memory.
 
-        A model whose forward cannot be captured (a host sync, a data-dependent shape) runs eagerly: the
-        failure is logged and False returned."""
+        A forward that cannot be captured (a host sync, a data-dependent shape, a kernel that does not
+        compile) is logged and False returned: the caller tries the next decode attention, or runs eagerly."""
         if not self.use_graphs:
             return True
         try:
             self._capture_all()
         except Exception:
-            log.exception("decode graphs could not be captured: decode steps run eagerly")
+            log.exception("decode graphs with %s attention could not be captured", self.attention_mode)
             self.graphs.clear()
             self.outputs.clear()
             torch.cuda.synchronize(self.kv.device)
@@ -106,11 +134,11 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.kv.device)
         self.capture_s = time.perf_counter() - start
         self.graph_bytes = torch.cuda.memory_allocated(self.kv.device) - before
-        log.info("captured %d decode graphs (batch %s) in %.2f s, %.1f MiB", len(self.graphs),
-                 ",".join(map(str, self.sizes)), self.capture_s, self.graph_bytes / 2**20)
+        log.info("captured %d decode graphs (batch %s, %s attention) in %.2f s, %.1f MiB", len(self.graphs),
+                 ",".join(map(str, self.sizes)), self.attention_mode, self.capture_s, self.graph_bytes / 2**20)
 
     def fits(self, num_decodes: int, max_context: int) -> bool:
-        return 0 < num_decodes <= self.sizes[-1] and max_context <= self.width * self.block_size
+        return 0 < num_decodes <= self.sizes[-1] and (self.flex or max_context <= self.width * self.block_size)
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
@@ -119,18 +147,31 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode step of n sequences, through the static buffers."""
         n = len(tokens)
         b = self.bucket(n)
-        w, pad, scratch = self.width, b - n, self.scratch_block
-        rows = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
-                             [p + 1 for p in positions] + [1] * pad])
-        table = torch.tensor([t[:w] + [scratch] * (w - len(t)) for t in tables] + [[scratch] * w] * pad)
-        staged = self.host[:4 * b + b * w]
-        staged[:4 * b].view(4, b).copy_(rows)
-        staged[4 * b:].view(b, w).copy_(table)
-        self.input_ids[0, :b].copy_(staged[:b], non_blocking=True)
-        self.positions[0, :b].copy_(staged[b:2 * b], non_blocking=True)
-        self.slots[:b].copy_(staged[2 * b:3 * b], non_blocking=True)
-        self.context[:b].copy_(staged[3 * b:4 * b], non_blocking=True)
-        self.tables[:b].copy_(staged[4 * b:].view(b, w), non_blocking=True)
+        pad, bs, scratch = b - n, self.block_size, self.scratch_block
+        context = [p + 1 for p in positions]
+        rows = [tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, context + [1] * pad]
+        if self.flex:
+            # A row's blocks: full_num full ones listed in its table, then its last one (column 0 of
+            # `last`), whose keys end at `limit`. Only the full blocks' ids are uploaded.
+            full = [(c - 1) // bs for c in context]
+            last = [t[f] for t, f in zip(tables, full)]
+            rows += [full + [0] * pad, last + [scratch] * pad,
+                     [blk * bs + c - f * bs for blk, c, f in zip(last, context, full)] + [self.scratch_slot + 1] * pad]
+            w = max(full)
+        else:
+            w = self.width
+        table = [t[:w] + [scratch] * (w - len(t[:w])) for t in tables] + [[scratch] * w] * pad
+        host_rows = self.host_rows[:, :b]
+        host_rows.copy_(torch.tensor(rows))
+        self.rows[:, :b].copy_(host_rows, non_blocking=True)
+        if w:
+            staged = self.host_table[:b * w].view(b, w)
+            staged.copy_(torch.tensor(table, dtype=staged.dtype))
+            self.tables[:b, :w].copy_(staged, non_blocking=True)
+        if self.flex:
+            self.full_num[:b].copy_(self.rows[4, :b])
+            self.last[:b, 0].copy_(self.rows[5, :b])
+            self.limit[:b].copy_(self.rows[6, :b])
         self.steps_per_bucket[b] += 1
         self.padding_rows += pad
         graph = self.graphs.get(b)

@@ -64,11 +64,19 @@ class ModelRunner:
         eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
         self.decode_graphs: DecodeGraphs | None = None
         if not eager:
-            max_len = min(config.max_model_len or context_length(model), context_length(model))
-            self.decode_graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size,
-                                              config.max_num_seqs, max_len, use_graphs=True)
-            if not self.decode_graphs.capture():
-                self.decode_graphs = None
+            self.decode_graphs = self._static_decode(model, config)
+
+    def _static_decode(self, model, config: EngineConfig) -> DecodeGraphs | None:
+        """Static decode buffers (graphs on CUDA) with the decode attention asked for, else the first of
+        "flex", "gather" whose graphs capture; None (eager decode steps) when neither does."""
+        max_len = min(config.max_model_len or context_length(model), context_length(model))
+        requested = attention.choose_decode_attention(config.decode_attention)
+        for mode in [requested] if requested else list(attention.DECODE_MODES):
+            graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size, config.max_num_seqs,
+                                  max_len, use_graphs=True, attention_mode=mode)
+            if graphs.capture():
+                return graphs
+        return None
 
     def release_model(self) -> None:
         """Give the model back as it came: dense linears and its own attention."""

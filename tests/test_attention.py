@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import attention, cpu_kernel
+from worker.engine import attention, cpu_kernel, flex
 from worker.engine.attention import Span
 from worker.engine.device import buckets
 
@@ -59,11 +59,12 @@ def dense_reference(q, spans, history, heads, kv_heads):
     return out
 
 
-@pytest.mark.parametrize("backend", [pytest.param("kernel", marks=needs_kernel), "gather"])
+@pytest.mark.parametrize("backend", [pytest.param("kernel", marks=needs_kernel), "gather", "flex"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)])
 def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size):
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
-    ctx = attention.build_context(backend, kv, slots, spans, num_decodes=5, block_size=block_size)
+    paged = flex.PagedTables(8, kv.shape[3], block_size, heads // kv_heads, scratch_block=0, device=kv.device)
+    ctx = attention.build_context(backend, kv, slots, spans, num_decodes=5, block_size=block_size, paged=paged)
     attention.set_context(ctx)
     try:
         out, _ = attention.paged_attention(Layer(), q[None], k[None], v[None], None)
@@ -118,7 +119,7 @@ def test_flex_decode_reads_the_pool_in_place_through_tables_rewritten_between_ca
     last = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)
     full_num = torch.zeros(rows, dtype=torch.int32)
     limit = torch.ones(rows, dtype=torch.int32)
-    mask = attention.paged_block_mask(tables, full_num, last, limit, block_size, heads // kv_heads)
+    mask = flex.paged_block_mask(tables, full_num, last, limit, block_size, heads // kv_heads)
     for seed in (1, 2):
         step_kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=seed)
         kv.copy_(step_kv)
@@ -131,6 +132,6 @@ def test_flex_decode_reads_the_pool_in_place_through_tables_rewritten_between_ca
             tables[i, :full] = torch.tensor(s.table[:full], dtype=torch.int32)
             full_num[i], last[i, 0] = full, s.table[full]
             limit[i] = s.table[full] * block_size + s.context - full * block_size
-        out = attention._flex_decode(q[:, :rows], kv[0, 1], kv[1, 1], mask, None)
+        out = flex.decode(q[:, :rows], kv[0, 1], kv[1, 1], mask, None)
         want = dense_reference(q, decodes, history[:rows], heads, kv_heads)[:rows].transpose(0, 1)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)

@@ -64,9 +64,10 @@ def ref_model(tiny_model_dir):
 # ---- greedy equivalence ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("packed,attn,eager,decode", [(True, "kernel", None, None), (True, "gather", None, None),
+                                                      (True, "flex", None, None),
                                                       (False, "kernel", None, None), (True, "kernel", False, "flex"),
                                                       (True, "kernel", False, "gather")],
-                         ids=["packed-kernel", "packed-gather", "dense-kernel", "static-buckets-flex",
+                         ids=["packed-kernel", "packed-gather", "packed-flex", "dense-kernel", "static-buckets-flex",
                               "static-buckets-gather"])
 def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
                                                                                       eager, decode):
@@ -107,8 +108,8 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
         assert sum(1 for n in graphs.steps_per_bucket.values() if n) > 1 and graphs.padding_rows > 0
 
 
-@pytest.mark.parametrize("attn", ["kernel", "gather"])
-@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch,attn", [(arch, attn) for arch in ("qwen2", "qwen3", "gpt2") for attn in ("kernel", "gather")]
+                         + [("qwen3", "flex"), ("gpt2", "flex")])
 def test_greedy_matches_generate_on_other_architectures(arch, attn, tiny_model_dirs):
     model, tok = load_model(str(tiny_model_dirs[arch]))
     ref = load_model(str(tiny_model_dirs[arch]))[0]

@@ -9,8 +9,9 @@ pool in place and attends over each sequence's blocks, through one of two backen
 - "gather": PyTorch only, any device and dtype. Each layer gathers the batch's blocks into SDPA's
   layout; decode rows share one SDPA call, each prefill chunk gets its own.
 
-Decode steps through the static buffers of device.DecodeGraphs read the pool in place with a compiled
-FlexAttention call instead of gathering ("flex", see `paged_block_mask`), or gather as above.
+- "flex": compiled FlexAttention reading the pool in place (flex.py), any device: decode rows in one
+  call, all prefill chunks in another. Decode steps through the static buffers of device.DecodeGraphs
+  use its decode form by default whatever the backend ("flex" decode attention), or gather.
 
 The pool is laid out [kv_heads, blocks, block_size, head_dim] per layer, so gathering a batch's
 blocks yields [kv_heads, seqs, tokens, head_dim] with no transpose: (kv_heads, seqs) are the
@@ -28,10 +29,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel
+from . import cpu_kernel, flex
 
 ATTN_NAME = "engine_paged"
-BACKENDS = ("kernel", "gather")
+BACKENDS = ("kernel", "gather", "flex")
 DECODE_MODES = ("flex", "gather")   # decode attention in the static-buffer (CUDA-graph) path
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class StepContext:
     decode_blocks: torch.Tensor | None = None   # [decodes, max_blocks]
     decode_mask: torch.Tensor | None = None     # [1, decodes, 1, max_blocks * block_size]
     decode_block_mask: object | None = None      # FlexAttention BlockMask: decodes read the pool in place
+    prefill_block_mask: object | None = None     # flex backend: every prefill chunk in one call
     prefills: list[PrefillChunk] = field(default_factory=list)
     # kernel backend: per-row sequence index and position, block tables, and the C call's step arguments
     kernel_tensors: tuple[torch.Tensor, ...] = ()
@@ -92,7 +94,7 @@ def choose_backend(requested: str | None, device: torch.device, dtype: torch.dty
         if cpu_kernel.load() is not None:
             return "kernel"
         log.warning("attention backend 'kernel' unavailable: using 'gather'")
-    return "gather"
+    return "flex" if requested == "flex" else "gather"
 
 
 def choose_decode_attention(requested: str | None) -> str | None:
@@ -109,9 +111,20 @@ def _padded_tables(spans: list[Span], width: int) -> list[list[int]]:
 
 
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
-                  block_size: int) -> StepContext:
+                  block_size: int, paged: flex.PagedTables | None = None) -> StepContext:
+    """`paged`: the flex backend's device buffers for decode rows (ModelRunner keeps them)."""
     device = kv.device
     ctx = StepContext(kv=kv, slots=torch.tensor(slots, device=device), backend=backend, num_decodes=num_decodes)
+    if backend == "flex":
+        if num_decodes:
+            decodes = spans[:num_decodes]
+            paged.fill([s.table for s in decodes], [s.context for s in decodes], num_decodes)
+            ctx.decode_block_mask = paged.mask(num_decodes)
+        if len(spans) > num_decodes:
+            first = spans[num_decodes].start
+            chunks = [Span(s.start - first, s.length, s.context, s.table) for s in spans[num_decodes:]]
+            ctx.prefill_block_mask = flex.prefill_block_mask(chunks, kv.shape[3], block_size, paged.group, device)
+        return ctx
     if backend == "kernel":
         row_seq, row_pos = [], []
         for i, s in enumerate(spans):
@@ -146,6 +159,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q, k, v = query[0], key[0], value[0]
     if ctx.backend == "kernel":
         out = _kernel_attention(q, k, v, ctx, module.layer_idx, scaling)
+    elif ctx.backend == "flex":
+        out = _flex_attention(q, k, v, ctx, module.layer_idx, scaling)
     else:
         out = _gather_attention(q, k, v, ctx, module.layer_idx, scaling)
     return out.unsqueeze(0), None   # [1, T, heads, d], as transformers expects
@@ -168,17 +183,35 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
     return out
 
 
-def _gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
-                      scaling: float | None) -> torch.Tensor:
+def _write(k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Write the step's K/V into the layer's pool in place; the layer's (k_cache, v_cache)."""
     k_cache, v_cache = ctx.kv[0, layer], ctx.kv[1, layer]
     kv_heads, _, _, head_dim = k_cache.shape
     k_cache.view(kv_heads, -1, head_dim).index_copy_(1, ctx.slots, k)
     v_cache.view(kv_heads, -1, head_dim).index_copy_(1, ctx.slots, v)
+    return k_cache, v_cache
 
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+                    scaling: float | None) -> torch.Tensor:
+    k_cache, v_cache = _write(k, v, ctx, layer)
+    nd = ctx.num_decodes
+    parts = []
+    if nd:
+        parts.append(flex.decode(q[:, :nd], k_cache, v_cache, ctx.decode_block_mask, scaling))
+    if ctx.prefill_block_mask is not None:
+        parts.append(flex.prefill(q[:, nd:], k_cache, v_cache, ctx.prefill_block_mask, scaling))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return out.transpose(0, 1)
+
+
+def _gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+                      scaling: float | None) -> torch.Tensor:
+    k_cache, v_cache = _write(k, v, ctx, layer)
     out = torch.empty_like(q)
     nd = ctx.num_decodes
     if nd and ctx.decode_block_mask is not None:
-        out[:, :nd] = _flex_decode(q[:, :nd], k_cache, v_cache, ctx.decode_block_mask, scaling)
+        out[:, :nd] = flex.decode(q[:, :nd], k_cache, v_cache, ctx.decode_block_mask, scaling)
     elif nd:
         out[:, :nd] = _decode_attention(q[:, :nd], k_cache, v_cache, ctx, scaling)
     for chunk in ctx.prefills:
@@ -201,68 +234,6 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     keys, values = _gather(k_cache, ctx.decode_blocks), _gather(v_cache, ctx.decode_blocks)
     o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.decode_mask, scale=scaling)
     return o.transpose(1, 2).reshape(heads, nd, d)
-
-
-# ---- decode in place: FlexAttention over the whole pool, restricted to each row's blocks -------------
-#
-# Keys and values are a layer's pool viewed as one long sequence [1, kv_heads, blocks * block_size, d]
-# (batch 1, broadcast over the decode rows). Row b's BlockMask lists its blocks by id: its full blocks
-# (`full_num[b]` ids in `tables[b]`, attended without a mask) and its last block (`last[b, 0]`), where
-# `mask_mod` keeps the keys below `limit[b]` = last block * block_size + tokens in it. The query heads
-# that share a KV head are the query "positions" of one row, so grouped-query attention needs no repeat
-# and no power-of-two group. The BlockMask holds views of static buffers: writing new tables into them
-# changes what the next call (or graph replay) reads.
-#
-# Only the compiled kernel honours the block lists; FlexAttention's eager fallback applies `mask_mod`
-# alone over every key of the pool, which this mask does not describe. `_flex` therefore refuses to run
-# eagerly: a recompile past dynamo's limit raises instead of falling back.
-
-_compiled_flex = None
-
-
-def _flex():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, fullgraph=True)
-    return _compiled_flex
-
-
-def paged_block_mask(tables: torch.Tensor, full_num: torch.Tensor, last: torch.Tensor, limit: torch.Tensor,
-                     block_size: int, group: int):
-    """BlockMask for decode rows over the pool in place, from int32 buffers of the rows' block tables.
-
-    tables [rows, pool_blocks]: each row's block ids (its first full_num[rows] are full blocks);
-    last [rows, pool_blocks]: the row's last block id in column 0; limit [rows]: its first key past the end."""
-    from torch.nn.attention.flex_attention import BlockMask
-
-    rows, pool_blocks = tables.shape
-
-    def mask_mod(b, h, q_idx, kv_idx):
-        end = limit[b]
-        return (kv_idx // block_size != (end - 1) // block_size) | (kv_idx < end)
-
-    ones = torch.ones(rows, 1, 1, dtype=torch.int32, device=tables.device)
-    kwargs = dict(BLOCK_SIZE=(128, block_size), mask_mod=mask_mod, seq_lengths=(group, pool_blocks * block_size))
-    args = (ones, last[:, None, None], full_num[:, None, None], tables[:, None, None])
-    try:
-        return BlockMask.from_kv_blocks(*args, compute_q_blocks=False, **kwargs)
-    except TypeError:   # torch without compute_q_blocks: the transposed lists are computed, and unused
-        return BlockMask.from_kv_blocks(*args, **kwargs)
-
-
-def _flex_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
-                 scaling: float | None) -> torch.Tensor:
-    heads, nd, d = q.shape
-    kv_heads, blocks, block_size, _ = k_cache.shape
-    group = heads // kv_heads
-    rows = q.reshape(kv_heads, group, nd, d).permute(2, 0, 1, 3).contiguous()     # [nd, kvh, group, d]
-    keys = k_cache.view(1, kv_heads, blocks * block_size, d)
-    values = v_cache.view(1, kv_heads, blocks * block_size, d)
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        o = _flex()(rows, keys, values, block_mask=block_mask, scale=scaling)
-    return o.permute(1, 2, 0, 3).reshape(heads, nd, d)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,

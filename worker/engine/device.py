@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from . import attention
+from . import attention, flex
 from .attention import StepContext
 
 log = logging.getLogger(__name__)
@@ -37,7 +37,8 @@ class DecodeGraphs:
     """Static buffers for decode steps of up to max_num_seqs sequences, and one graph per bucket."""
 
     def __init__(self, model, kv: torch.Tensor, scratch_block: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, use_graphs: bool, attention_mode: str = "flex") -> None:
+                 max_model_len: int, use_graphs: bool, attention_mode: str = "flex", group: int = 1) -> None:
+        """group: query heads per KV head."""
         if attention_mode not in attention.DECODE_MODES:
             raise ValueError(f"Unknown decode attention {attention_mode!r}; choose one of "
                              f"{', '.join(attention.DECODE_MODES)}.")
@@ -55,29 +56,21 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         device = kv.device
         n = self.sizes[-1]
-        # rows: token ids, positions, cache slots, context lengths, then for "flex" full-block counts,
-        # last blocks and key limits
-        self.rows = torch.zeros(7 if self.flex else 4, n, dtype=torch.long, device=device)
+        # rows: token ids, positions, cache slots, context lengths
+        self.rows = torch.zeros(4, n, dtype=torch.long, device=device)
         self.rows[2].fill_(self.scratch_slot)
         self.rows[3].fill_(1)
         self.input_ids, self.positions = self.rows[0:1], self.rows[1:2]
         self.slots, self.context = self.rows[2], self.rows[3]
-        table_type = torch.int32 if self.flex else torch.long
-        self.tables = torch.full((n, self.width), scratch_block, dtype=table_type, device=device)
         # Host staging: one non-blocking copy per step into the device buffers.
         pin = device.type == "cuda"
         self.host_rows = torch.zeros(self.rows.shape, dtype=torch.long, pin_memory=pin)
-        self.host_table = torch.zeros(n * self.width, dtype=table_type, pin_memory=pin)
-        self.block_masks = {}
+        self.paged: flex.PagedTables | None = None
         if self.flex:
-            self.full_num = torch.zeros(n, dtype=torch.int32, device=device)
-            self.last = torch.full((n, self.width), scratch_block, dtype=torch.int32, device=device)
-            self.limit = torch.full((n,), self.scratch_slot + 1, dtype=torch.int32, device=device)
-            config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-            group = config.num_attention_heads // kv.shape[2]
-            self.block_masks = {b: attention.paged_block_mask(self.tables[:b], self.full_num[:b], self.last[:b],
-                                                              self.limit[:b], block_size, group)
-                                for b in self.sizes}
+            self.paged = flex.PagedTables(n, kv.shape[3], block_size, group, scratch_block, device)
+        else:
+            self.tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
+            self.host_table = torch.zeros(n * self.width, dtype=torch.long, pin_memory=pin)
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -89,7 +82,7 @@ class DecodeGraphs:
     def _forward(self, n: int) -> torch.Tensor:
         ctx = StepContext(kv=self.kv, slots=self.slots[:n], backend="gather", num_decodes=n)
         if self.flex:
-            ctx.decode_block_mask = self.block_masks[n]
+            ctx.decode_block_mask = self.paged.mask(n)
         else:
             positions = torch.arange(self.width * self.block_size, device=self.kv.device)
             mask = positions[None, :] < self.context[:n, None]
@@ -147,31 +140,19 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode step of n sequences, through the static buffers."""
         n = len(tokens)
         b = self.bucket(n)
-        pad, bs, scratch = b - n, self.block_size, self.scratch_block
+        pad, scratch = b - n, self.scratch_block
         context = [p + 1 for p in positions]
-        rows = [tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad, context + [1] * pad]
+        host_rows = self.host_rows[:, :b]
+        host_rows.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
+                                      context + [1] * pad]))
+        self.rows[:, :b].copy_(host_rows, non_blocking=True)
         if self.flex:
-            # A row's blocks: full_num full ones listed in its table, then its last one (column 0 of
-            # `last`), whose keys end at `limit`. Only the full blocks' ids are uploaded.
-            full = [(c - 1) // bs for c in context]
-            last = [t[f] for t, f in zip(tables, full)]
-            rows += [full + [0] * pad, last + [scratch] * pad,
-                     [blk * bs + c - f * bs for blk, c, f in zip(last, context, full)] + [self.scratch_slot + 1] * pad]
-            w = max(full)
+            self.paged.fill(tables, context, b)
         else:
             w = self.width
-        table = [t[:w] + [scratch] * (w - len(t[:w])) for t in tables] + [[scratch] * w] * pad
-        host_rows = self.host_rows[:, :b]
-        host_rows.copy_(torch.tensor(rows))
-        self.rows[:, :b].copy_(host_rows, non_blocking=True)
-        if w:
             staged = self.host_table[:b * w].view(b, w)
-            staged.copy_(torch.tensor(table, dtype=staged.dtype))
-            self.tables[:b, :w].copy_(staged, non_blocking=True)
-        if self.flex:
-            self.full_num[:b].copy_(self.rows[4, :b])
-            self.last[:b, 0].copy_(self.rows[5, :b])
-            self.limit[:b].copy_(self.rows[6, :b])
+            staged.copy_(torch.tensor([t[:w] + [scratch] * (w - len(t[:w])) for t in tables] + [[scratch] * w] * pad))
+            self.tables[:b].copy_(staged, non_blocking=True)
         self.steps_per_bucket[b] += 1
         self.padding_rows += pad
         graph = self.graphs.get(b)

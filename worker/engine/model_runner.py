@@ -7,7 +7,7 @@ import logging
 
 import torch
 
-from . import attention, sizing
+from . import attention, flex, sizing
 from .attention import Span
 from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
@@ -28,6 +28,12 @@ def kv_shape(model) -> tuple[int, int, int]:
     heads = c.num_attention_heads
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
     return c.num_hidden_layers, getattr(c, "num_key_value_heads", None) or heads, head_dim
+
+
+def query_group(model) -> int:
+    """Query heads per KV head."""
+    c = _text_config(model)
+    return c.num_attention_heads // kv_shape(model)[1]
 
 
 def context_length(model) -> int:
@@ -58,6 +64,14 @@ class ModelRunner:
                               dtype=self.dtype, device=self.device)
         self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype)
         log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
+        self.paged: flex.PagedTables | None = None   # the flex backend's decode-row buffers
+        if self.attention_backend == "flex":
+            if not flex.fits(self.device, config.block_size):
+                raise ValueError(f"The 'flex' attention backend needs a block_size that is a multiple of "
+                                 f"{flex.GPU_MIN_BLOCK} on {self.device.type}, not {config.block_size}; "
+                                 "change block_size or use 'gather'.")
+            self.paged = flex.PagedTables(config.max_num_seqs, self.num_blocks + 1, config.block_size,
+                                          query_group(model), self.num_blocks, self.device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
         # (enforce_eager=False), where they run eagerly.
@@ -71,9 +85,14 @@ class ModelRunner:
         "flex", "gather" whose graphs capture; None (eager decode steps) when neither does."""
         max_len = min(config.max_model_len or context_length(model), context_length(model))
         requested = attention.choose_decode_attention(config.decode_attention)
-        for mode in [requested] if requested else list(attention.DECODE_MODES):
+        modes = [requested] if requested else list(attention.DECODE_MODES)
+        if "flex" in modes and not flex.fits(self.device, config.block_size):
+            log.warning("flex decode attention needs a block size that is a multiple of %d on %s, not %d: "
+                        "decode graphs gather", flex.GPU_MIN_BLOCK, self.device.type, config.block_size)
+            modes = [m for m in modes if m != "flex"] or ["gather"]
+        for mode in modes:
             graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size, config.max_num_seqs,
-                                  max_len, use_graphs=True, attention_mode=mode)
+                                  max_len, use_graphs=True, attention_mode=mode, group=query_group(model))
             if graphs.capture():
                 return graphs
         return None
@@ -113,7 +132,8 @@ class ModelRunner:
             if context == seq.num_tokens:   # the whole sequence is in: its last row gives the next token
                 keep.append(start + n - 1)
 
-        ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, len(batch.decodes), bs)
+        ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, len(batch.decodes), bs,
+                                      self.paged)
         attention.set_context(ctx)
         try:
             input_ids = torch.tensor([ids], device=self.device)

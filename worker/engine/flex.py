@@ -1,0 +1,188 @@
+"""Paged attention in place through compiled FlexAttention: block masks built from block tables.
+
+Keys and values are a layer's pool viewed as one long sequence [1, kv_heads, blocks * block_size, d]
+(batch 1, broadcast over query rows); a BlockMask lists, per tile of queries, the pool blocks they read,
+so no context is gathered. The query heads that share a KV head become query positions, so grouped-query
+attention needs no repeat and no power-of-two group. Two forms:
+
+- decode rows: each row is a batch entry with its own block list (FlexAttention's decoding kernel),
+  from int32 buffers that `PagedTables` keeps on the device, so the same BlockMask serves every step
+  and every CUDA-graph replay once the buffers are refilled;
+- prefill chunks: all chunks of a step are one query sequence; each tile of 128 queries lists the union
+  of its rows' blocks, and `mask_mod` keeps a key when its block belongs to the row's sequence (through a
+  physical-to-logical block map) at a position not past the row's.
+
+The decode form's `mask_mod` only describes a row's last block: the compiled kernel applies it there
+and nowhere else, but FlexAttention's eager fallback applies `mask_mod` alone over every key of the
+pool. `attend` therefore refuses to run eagerly: a recompile past dynamo's limit raises instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+Q_TILE = 128          # queries per BlockMask row tile in the prefill form
+GPU_MIN_BLOCK = 16    # Triton's matrix tiles are at least 16 wide: a KV block is one tile or more
+_compiled = None
+
+
+def fits(device: torch.device, block_size: int) -> bool:
+    """Whether the kernel compiles for this KV block size on this device."""
+    return device.type == "cpu" or block_size % GPU_MIN_BLOCK == 0
+
+
+def _flex():
+    global _compiled
+    if _compiled is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _compiled = torch.compile(flex_attention, fullgraph=True)
+    return _compiled
+
+
+def _block_mask(kv_num, kv_indices, full_num, full_indices, block_size: int, mask_mod, seq_lengths):
+    from torch.nn.attention.flex_attention import BlockMask
+
+    kwargs = dict(BLOCK_SIZE=(Q_TILE, block_size), mask_mod=mask_mod, seq_lengths=seq_lengths)
+    try:
+        return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, compute_q_blocks=False, **kwargs)
+    except TypeError:   # torch without compute_q_blocks: the transposed lists are computed, and unused
+        return BlockMask.from_kv_blocks(kv_num, kv_indices, full_num, full_indices, **kwargs)
+
+
+def paged_block_mask(tables: torch.Tensor, full_num: torch.Tensor, last: torch.Tensor, limit: torch.Tensor,
+                     block_size: int, group: int):
+    """BlockMask for decode rows, from int32 buffers of their block tables.
+
+    tables [rows, pool_blocks]: each row's block ids, the first full_num[row] of them full blocks;
+    last [rows, pool_blocks]: the row's last block id in column 0; limit [rows]: its first key past the end."""
+    rows, pool_blocks = tables.shape
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        end = limit[b]
+        return (kv_idx // block_size != (end - 1) // block_size) | (kv_idx < end)
+
+    ones = torch.ones(rows, 1, 1, dtype=torch.int32, device=tables.device)
+    return _block_mask(ones, last[:, None, None], full_num[:, None, None], tables[:, None, None], block_size,
+                       mask_mod, (group, pool_blocks * block_size))
+
+
+class PagedTables:
+    """Device buffers holding up to `rows` decode rows' block tables, and their BlockMasks by row count."""
+
+    def __init__(self, rows: int, pool_blocks: int, block_size: int, group: int, scratch_block: int,
+                 device: torch.device) -> None:
+        self.block_size, self.group, self.scratch_block = block_size, group, scratch_block
+        self.tables = torch.full((rows, pool_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.last = torch.full((rows, pool_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(3, rows, dtype=torch.int32, device=device)   # full blocks, last block, limit
+        self.counts[1].fill_(scratch_block)
+        self.counts[2].fill_(scratch_block * block_size + 1)
+        pin = device.type == "cuda"
+        self.host_counts = torch.zeros(3, rows, dtype=torch.int32, pin_memory=pin)
+        self.host_tables = torch.zeros(rows * pool_blocks, dtype=torch.int32, pin_memory=pin)
+        self._masks: dict[int, object] = {}
+
+    def mask(self, rows: int):
+        if rows not in self._masks:
+            self._masks[rows] = paged_block_mask(self.tables[:rows], self.counts[0, :rows], self.last[:rows],
+                                                 self.counts[2, :rows], self.block_size, self.group)
+        return self._masks[rows]
+
+    def fill(self, tables: list[list[int]], contexts: list[int], rows: int) -> None:
+        """Write the rows' tables (padded to `rows` with one key of the scratch block); copies are non-blocking."""
+        bs, scratch, pad = self.block_size, self.scratch_block, rows - len(tables)
+        full = [(c - 1) // bs for c in contexts]
+        last = [t[f] for t, f in zip(tables, full)]
+        limit = [blk * bs + c - f * bs for blk, c, f in zip(last, contexts, full)]
+        host = self.host_counts[:, :rows]
+        host.copy_(torch.tensor([full + [0] * pad, last + [scratch] * pad, limit + [scratch * bs + 1] * pad],
+                                dtype=torch.int32))
+        self.counts[:, :rows].copy_(host, non_blocking=True)
+        self.last[:rows, 0].copy_(self.counts[1, :rows])
+        w = max(full)
+        if w:   # only the full blocks' ids are uploaded; columns past a row's count are never read
+            staged = self.host_tables[:rows * w].view(rows, w)
+            staged.copy_(torch.tensor([t[:w] + [scratch] * (w - len(t[:w])) for t in tables] + [[scratch] * w] * pad,
+                                      dtype=torch.int32))
+            self.tables[:rows, :w].copy_(staged, non_blocking=True)
+
+
+def prefill_block_mask(spans, pool_blocks: int, block_size: int, group: int, device: torch.device):
+    """BlockMask for prefill chunks packed as one query sequence (`group` queries per row); spans are
+    attention.Span-like (start relative to the first prefill row, length, context, table)."""
+    bs = block_size
+    rows = sum(s.length for s in spans)
+    queries = rows * group
+    tiles = -(-queries // Q_TILE)
+    lists: list[set[int]] = [set() for _ in range(tiles)]
+    row_seq, row_pos = [], []
+    for i, s in enumerate(spans):
+        first = s.context - s.length
+        row_seq += [i] * s.length
+        row_pos += range(first, s.context)
+        for tile in range(s.start * group // Q_TILE, ((s.start + s.length) * group - 1) // Q_TILE + 1):
+            last_row = min(s.start + s.length, -(-(tile + 1) * Q_TILE // group)) - 1
+            lists[tile].update(s.table[:(first + last_row - s.start) // bs + 1])
+    width = max(map(len, lists))
+    indices = torch.zeros(tiles, pool_blocks, dtype=torch.int32)
+    indices[:, :width] = torch.tensor([sorted(blocks) + [0] * (width - len(blocks)) for blocks in lists],
+                                      dtype=torch.int32)
+    counts = torch.tensor([len(blocks) for blocks in lists], dtype=torch.int32)
+    logical = torch.full((len(spans), pool_blocks), -1, dtype=torch.int32)
+    for i, s in enumerate(spans):
+        used = s.table[:-(-s.context // bs)]
+        logical[i, torch.tensor(used)] = torch.arange(len(used), dtype=torch.int32)
+    row_seq_t = torch.tensor(row_seq, dtype=torch.int32, device=device)
+    row_pos_t = torch.tensor(row_pos, dtype=torch.int32, device=device)
+    logical = logical.to(device, non_blocking=True)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        row = q_idx // group
+        block = logical[row_seq_t[row], kv_idx // bs]
+        return (block >= 0) & (block * bs + kv_idx % bs <= row_pos_t[row])
+
+    return _block_mask(counts.to(device)[None, None], indices.to(device)[None, None], None, None, bs, mask_mod,
+                       (queries, pool_blocks * bs))
+
+
+def _pool(cache: torch.Tensor) -> torch.Tensor:
+    kv_heads, blocks, block_size, d = cache.shape
+    return cache.view(1, kv_heads, blocks * block_size, d)
+
+
+def attend(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
+           scaling: float | None, static_queries: bool = False) -> torch.Tensor:
+    """The compiled call. Rows and pool length may vary between calls (dynamo makes them symbolic after
+    the first change); heads and head size are kept static. The masks' integers (block size, query group)
+    are fixed for a model: a second model with other values in the same process makes them symbolic, which
+    the CPU kernel's code generator (torch 2.13) does not compile. One model per process, as the worker runs."""
+    keys, values = _pool(k_cache), _pool(v_cache)
+    for t in (queries, keys, values):
+        torch._dynamo.mark_static(t, 1)
+        torch._dynamo.mark_static(t, 3)
+    if static_queries:
+        torch._dynamo.mark_static(queries, 2)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        return _flex()(queries, keys, values, block_mask=block_mask, scale=scaling)
+
+
+def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
+           scaling: float | None) -> torch.Tensor:
+    """q [heads, rows, d] -> [heads, rows, d]; one batch entry per row."""
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    rows = q.reshape(kv_heads, heads // kv_heads, n, d).permute(2, 0, 1, 3).contiguous()    # [n, kvh, group, d]
+    out = attend(rows, k_cache, v_cache, block_mask, scaling, static_queries=True)
+    return out.permute(1, 2, 0, 3).reshape(heads, n, d)
+
+
+def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
+            scaling: float | None) -> torch.Tensor:
+    """q [heads, rows, d] -> [heads, rows, d]; the rows' query heads of a KV head are one sequence."""
+    heads, n, d = q.shape
+    kv_heads = k_cache.shape[0]
+    group = heads // kv_heads
+    seq = q.reshape(kv_heads, group, n, d).transpose(1, 2).reshape(1, kv_heads, n * group, d)
+    out = attend(seq, k_cache, v_cache, block_mask, scaling)
+    return out.reshape(kv_heads, n, group, d).transpose(1, 2).reshape(heads, n, d)

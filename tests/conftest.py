@@ -22,14 +22,6 @@ torch.set_num_threads(max(1, torch.get_num_threads()))
 CHROMIUM = Path("/usr/bin/chromium")
 
 
-@pytest.fixture(autouse=True)
-def fresh_compiler() -> Iterator[None]:
-    """Each test compiles its own FlexAttention kernels: the worker holds one model per process, and a
-    second model's shapes would turn the first one's constants symbolic (see worker/engine/flex.py)."""
-    yield
-    torch._dynamo.reset()
-
-
 @pytest.fixture(scope="session")
 def browser():
     """Debian's headless chromium, launched once; each test opens its own pages (a fresh context each)."""

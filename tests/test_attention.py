@@ -63,6 +63,8 @@ def dense_reference(q, spans, history, heads, kv_heads):
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)])
 def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size):
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
+    if backend == "flex":
+        flex.start_engine()   # as each engine does: this test's shapes are new constants
     paged = flex.PagedTables(8, kv.shape[3], block_size, heads // kv_heads, scratch_block=0, device=kv.device)
     ctx = attention.build_context(backend, kv, slots, spans, num_decodes=5, block_size=block_size, paged=paged)
     attention.set_context(ctx)
@@ -114,6 +116,7 @@ def test_flex_decode_reads_the_pool_in_place_through_tables_rewritten_between_ca
     replay would see them, with stale ids left in the columns a row does not use."""
     heads, kv_heads, head_dim, block_size, rows = 9, 3, 64, 16, 5
     kv, *_ = random_step(heads, kv_heads, head_dim, block_size, seed=0)
+    flex.start_engine()
     pool_blocks = kv.shape[3]
     tables = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)   # stale ids everywhere
     last = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)

@@ -123,7 +123,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
         if len(spans) > num_decodes:
             first = spans[num_decodes].start
             chunks = [Span(s.start - first, s.length, s.context, s.table) for s in spans[num_decodes:]]
-            ctx.prefill_block_mask = flex.prefill_block_mask(chunks, kv.shape[3], block_size, paged.group, device)
+            ctx.prefill_block_mask = flex.prefill_block_mask(chunks, paged.logical, block_size, paged.group)
         return ctx
     if backend == "kernel":
         row_seq, row_pos = [], []

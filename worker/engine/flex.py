@@ -31,6 +31,14 @@ def fits(device: torch.device, block_size: int) -> bool:
     return device.type == "cpu" or block_size % GPU_MIN_BLOCK == 0
 
 
+def start_engine() -> None:
+    """Drop the kernels compiled for an earlier engine in this process. Its pool size, block size and query
+    group would otherwise turn symbolic in the new engine's kernels, which the CPU code generator of torch
+    2.13 does not compile. The worker runs one engine per process; benchmarks and tests run several, one
+    after another."""
+    torch._dynamo.reset()
+
+
 def _flex():
     global _compiled
     if _compiled is None:
@@ -81,6 +89,7 @@ class PagedTables:
         pin = device.type == "cuda"
         self.host_counts = torch.zeros(3, rows, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(rows * pool_blocks, dtype=torch.int32, pin_memory=pin)
+        self.logical = torch.full((rows, pool_blocks), -1, dtype=torch.int32, device=device)   # prefill chunks
         self._masks: dict[int, object] = {}
 
     def mask(self, rows: int):
@@ -108,9 +117,11 @@ class PagedTables:
             self.tables[:rows, :w].copy_(staged, non_blocking=True)
 
 
-def prefill_block_mask(spans, pool_blocks: int, block_size: int, group: int, device: torch.device):
+def prefill_block_mask(spans, logical_map: torch.Tensor, block_size: int, group: int):
     """BlockMask for prefill chunks packed as one query sequence (`group` queries per row); spans are
-    attention.Span-like (start relative to the first prefill row, length, context, table)."""
+    attention.Span-like (start relative to the first prefill row, length, context, table).
+    logical_map: int32 [at least len(spans), pool_blocks] on the pool's device, overwritten."""
+    pool_blocks, device = logical_map.shape[1], logical_map.device
     bs = block_size
     rows = sum(s.length for s in spans)
     queries = rows * group
@@ -129,13 +140,19 @@ def prefill_block_mask(spans, pool_blocks: int, block_size: int, group: int, dev
     indices[:, :width] = torch.tensor([sorted(blocks) + [0] * (width - len(blocks)) for blocks in lists],
                                       dtype=torch.int32)
     counts = torch.tensor([len(blocks) for blocks in lists], dtype=torch.int32)
-    logical = torch.full((len(spans), pool_blocks), -1, dtype=torch.int32)
+    # Each chunk's physical-to-logical block map, in a buffer of fixed shape (its row count never varies).
+    logical = logical_map
+    logical[:len(spans)].fill_(-1)
+    seq_ids, blocks, positions = [], [], []
     for i, s in enumerate(spans):
         used = s.table[:-(-s.context // bs)]
-        logical[i, torch.tensor(used)] = torch.arange(len(used), dtype=torch.int32)
+        seq_ids += [i] * len(used)
+        blocks += used
+        positions += range(len(used))
+    index = torch.tensor([seq_ids, blocks], device=device)
+    logical.index_put_((index[0], index[1]), torch.tensor(positions, dtype=torch.int32, device=device))
     row_seq_t = torch.tensor(row_seq, dtype=torch.int32, device=device)
     row_pos_t = torch.tensor(row_pos, dtype=torch.int32, device=device)
-    logical = logical.to(device, non_blocking=True)
 
     def mask_mod(b, h, q_idx, kv_idx):
         row = q_idx // group
@@ -153,10 +170,9 @@ def _pool(cache: torch.Tensor) -> torch.Tensor:
 
 def attend(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,
            scaling: float | None, static_queries: bool = False) -> torch.Tensor:
-    """The compiled call. Rows and pool length may vary between calls (dynamo makes them symbolic after
-    the first change); heads and head size are kept static. The masks' integers (block size, query group)
-    are fixed for a model: a second model with other values in the same process makes them symbolic, which
-    the CPU kernel's code generator (torch 2.13) does not compile. One model per process, as the worker runs."""
+    """The compiled call. Row counts may vary between calls (dynamo makes them symbolic after the first
+    change); heads and head size are kept static, and so are the pool's size, the block size and the
+    query group, by `start_engine`."""
     keys, values = _pool(k_cache), _pool(v_cache)
     for t in (queries, keys, values):
         torch._dynamo.mark_static(t, 1)
@@ -183,6 +199,7 @@ def prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block
     heads, n, d = q.shape
     kv_heads = k_cache.shape[0]
     group = heads // kv_heads
-    seq = q.reshape(kv_heads, group, n, d).transpose(1, 2).reshape(1, kv_heads, n * group, d)
+    seq = q.reshape(kv_heads, group, n, d).transpose(1, 2).reshape(1, kv_heads, n * group, d).contiguous()
+    torch._dynamo.maybe_mark_dynamic(seq, 2)   # every step packs another number of rows
     out = attend(seq, k_cache, v_cache, block_mask, scaling)
     return out.reshape(kv_heads, n, group, d).transpose(1, 2).reshape(heads, n, d)

@@ -64,6 +64,9 @@ class ModelRunner:
                               dtype=self.dtype, device=self.device)
         self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype)
         log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
+        eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
+        if self.attention_backend == "flex" or not eager:
+            flex.start_engine()
         self.paged: flex.PagedTables | None = None   # the flex backend's decode-row buffers
         if self.attention_backend == "flex":
             if not flex.fits(self.device, config.block_size):
@@ -75,7 +78,6 @@ class ModelRunner:
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
         # (enforce_eager=False), where they run eagerly.
-        eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
         self.decode_graphs: DecodeGraphs | None = None
         if not eager:
             self.decode_graphs = self._static_decode(model, config)

@@ -31,12 +31,18 @@ def fits(device: torch.device, block_size: int) -> bool:
     return device.type == "cpu" or block_size % GPU_MIN_BLOCK == 0
 
 
-def start_engine() -> None:
-    """Drop the kernels compiled for an earlier engine in this process. Its pool size, block size and query
-    group would otherwise turn symbolic in the new engine's kernels, which the CPU code generator of torch
-    2.13 does not compile. The worker runs one engine per process; benchmarks and tests run several, one
-    after another."""
-    torch._dynamo.reset()
+_engine_key: tuple | None = None
+
+
+def start_engine(*key) -> None:
+    """Drop the kernels compiled for an earlier engine in this process unless it had the same `key`
+    (pool shape, block size, query group, dtype, device). Its constants would otherwise turn symbolic in
+    the new engine's kernels, which the CPU code generator of torch 2.13 does not compile. The worker
+    runs one engine per process; benchmarks and tests run several, one after another."""
+    global _engine_key
+    if not key or key != _engine_key:
+        torch._dynamo.reset()
+    _engine_key = key or None
 
 
 def _flex():

@@ -66,7 +66,7 @@ class ModelRunner:
         log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
         eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
         if self.attention_backend == "flex" or not eager:
-            flex.start_engine()
+            flex.start_engine(tuple(self.kv.shape), query_group(model), self.dtype, str(self.device))
         self.paged: flex.PagedTables | None = None   # the flex backend's decode-row buffers
         if self.attention_backend == "flex":
             if not flex.fits(self.device, config.block_size):

@@ -7,10 +7,12 @@ import signal
 import threading
 import time
 
+import pytest
 import requests
 
 from models import Message, RequestRecord
 from tests.clients import ChatClient
+from tests.tiny_model import make_tiny_model_dir
 
 QUESTIONS = ["My order #1042 has not arrived, where is it?", "Can I return shoes I wore once?",
              "Do you ship to Norway?"]
@@ -101,10 +103,18 @@ def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack,
         assert record.finished_at is not None and record.finish_reason in ("stop", "length")
 
 
-def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db):
-    url = stack.web_with(MAX_NEW_TOKENS="2000")
+@pytest.fixture()
+def long_model_dir(tmp_path, tokenizer):
+    """The tiny model with room for answers of thousands of tokens, which outlast a short grace period on
+    any machine (the session's tiny model stops answering at 512 tokens of context, within half a second)."""
+    return make_tiny_model_dir(tmp_path / "long", tokenizer, max_position_embeddings=8192)
+
+
+def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir):
+    url = stack.web_with(MAX_NEW_TOKENS="4000")
     stack.kill_worker()
-    worker = stack.start_worker(SHUTDOWN_GRACE_S="0.5")   # a short grace, so the answers are cut off
+    # A short grace, so the answers are cut off.
+    worker = stack.start_worker(SHUTDOWN_GRACE_S="0.5", MODEL=str(long_model_dir))
     clients = [ChatClient(url) for _ in QUESTIONS]
     try:
         for client, question in zip(clients, QUESTIONS):
@@ -118,11 +128,13 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         code = worker.wait(60)   # bounded: the grace period, then the hand-back
         print(f"\nthe worker exited {time.monotonic() - stopped_at:.1f} s after SIGTERM with code {code}")
         handed_back = "back to the queue" in (stack.workdir / "worker.log").read_text()
-        stack.start_worker()
+        stack.start_worker(MODEL=str(long_model_dir))
         streams = [events + collect(client, 120) for client, events in zip(clients, seen)]
     finally:
         for client in clients:
             client.close()
+        stack.kill_worker()
+        stack.start_worker()   # the session's worker, on the session's model, for the tests that follow
     assert handed_back, "no answer was still running when the grace period ended"
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]

@@ -21,12 +21,13 @@ TINY_CONFIGS = {
 }
 
 
-def make_tiny_model_dir(path: str | Path, tokenizer, arch: str = "llama", seed: int = 0) -> Path:
-    """Save a tiny random model plus the given tokenizer as a loadable model directory."""
+def make_tiny_model_dir(path: str | Path, tokenizer, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model plus the given tokenizer as a loadable model directory; `overrides` change
+    its config (a longer context, say)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = Path(path)
-    settings = dict(TINY_CONFIGS[arch])
+    settings = {**TINY_CONFIGS[arch], **overrides}
     model_type = settings.pop("model_type")
     config = AutoConfig.for_model(
         model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

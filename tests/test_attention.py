@@ -65,7 +65,8 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
     if backend == "flex":
         flex.start_engine()   # as each engine does: this test's shapes are new constants
-    paged = flex.PagedTables(8, kv.shape[3], block_size, heads // kv_heads, scratch_block=0, device=kv.device)
+    width = max(len(s.table) for s in spans)
+    paged = flex.PagedTables(8, width, kv.shape[3], block_size, heads // kv_heads, scratch_block=0, device=kv.device)
     ctx = attention.build_context(backend, kv, slots, spans, num_decodes=5, block_size=block_size, paged=paged)
     attention.set_context(ctx)
     try:
@@ -118,11 +119,12 @@ def test_flex_decode_reads_the_pool_in_place_through_tables_rewritten_between_ca
     kv, *_ = random_step(heads, kv_heads, head_dim, block_size, seed=0)
     flex.start_engine()
     pool_blocks = kv.shape[3]
-    tables = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)   # stale ids everywhere
-    last = torch.randint(0, pool_blocks, (rows, pool_blocks), dtype=torch.int32)
+    width = 8   # a row holds far fewer blocks than the pool (512)
+    tables = torch.randint(0, pool_blocks, (rows, width), dtype=torch.int32)   # stale ids everywhere
+    last = torch.randint(0, pool_blocks, (rows, 1), dtype=torch.int32)
     full_num = torch.zeros(rows, dtype=torch.int32)
     limit = torch.ones(rows, dtype=torch.int32)
-    mask = flex.paged_block_mask(tables, full_num, last, limit, block_size, heads // kv_heads)
+    mask = flex.paged_block_mask(tables, full_num, last, limit, block_size, pool_blocks, heads // kv_heads)
     for seed in (1, 2):
         step_kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=seed)
         kv.copy_(step_kv)
@@ -138,3 +140,15 @@ def test_flex_decode_reads_the_pool_in_place_through_tables_rewritten_between_ca
         out = flex.decode(q[:, :rows], kv[0, 1], kv[1, 1], mask, None)
         want = dense_reference(q, decodes, history[:rows], heads, kv_heads)[:rows].transpose(0, 1)
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-4)
+
+
+def test_flex_decode_buffers_grow_with_the_longest_context_not_with_the_pool():
+    """A GPU pool holds hundreds of thousands of blocks; 256 decode rows' tables must not be that wide."""
+    rows, width, pool_blocks = 256, 512, 200_000
+    paged = flex.PagedTables(rows, width, pool_blocks, 16, 3, scratch_block=pool_blocks - 1,
+                             device=torch.device("cpu"))
+    assert paged.logical is None   # the prefill map is made only when the flex backend prefills
+    assert paged.nbytes < 2 * rows * width * 4 + 64 * rows
+    mask = paged.mask(rows)
+    assert mask.kv_indices.shape[-1] == pool_blocks   # FlexAttention's own view spans the pool ...
+    assert mask.kv_indices.stride(-1) == 0            # ... without allocating it

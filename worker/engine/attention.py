@@ -112,7 +112,7 @@ def _padded_tables(spans: list[Span], width: int) -> list[list[int]]:
 
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
                   block_size: int, paged: flex.PagedTables | None = None) -> StepContext:
-    """`paged`: the flex backend's device buffers for decode rows (ModelRunner keeps them)."""
+    """`paged`: the flex backend's device buffers for block tables (ModelRunner keeps them)."""
     device = kv.device
     ctx = StepContext(kv=kv, slots=torch.tensor(slots, device=device), backend=backend, num_decodes=num_decodes)
     if backend == "flex":
@@ -123,7 +123,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
         if len(spans) > num_decodes:
             first = spans[num_decodes].start
             chunks = [Span(s.start - first, s.length, s.context, s.table) for s in spans[num_decodes:]]
-            ctx.prefill_block_mask = flex.prefill_block_mask(chunks, paged.logical, block_size, paged.group)
+            ctx.prefill_block_mask = paged.prefill_mask(chunks)
         return ctx
     if backend == "kernel":
         row_seq, row_pos = [], []

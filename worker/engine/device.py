@@ -48,10 +48,8 @@ class DecodeGraphs:
         self.attention_mode = attention_mode
         self.sizes = buckets(max_num_seqs)
         self.flex = attention_mode == "flex"
-        if self.flex:   # block-table columns: every block of the pool (a row's context is unbounded)
-            self.width = kv.shape[3]
-        else:
-            self.width = -(-min(max_model_len, MAX_GRAPH_CONTEXT) // block_size)
+        # Block-table columns: a row's longest context in place ("flex"), the gathered width otherwise.
+        self.width = -(-(max_model_len if self.flex else min(max_model_len, MAX_GRAPH_CONTEXT)) // block_size)
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         device = kv.device
@@ -67,7 +65,7 @@ class DecodeGraphs:
         self.host_rows = torch.zeros(self.rows.shape, dtype=torch.long, pin_memory=pin)
         self.paged: flex.PagedTables | None = None
         if self.flex:
-            self.paged = flex.PagedTables(n, kv.shape[3], block_size, group, scratch_block, device)
+            self.paged = flex.PagedTables(n, self.width, kv.shape[3], block_size, group, scratch_block, device)
         else:
             self.tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
             self.host_table = torch.zeros(n * self.width, dtype=torch.long, pin_memory=pin)
@@ -131,7 +129,7 @@ class DecodeGraphs:
                  ",".join(map(str, self.sizes)), self.attention_mode, self.capture_s, self.graph_bytes / 2**20)
 
     def fits(self, num_decodes: int, max_context: int) -> bool:
-        return 0 < num_decodes <= self.sizes[-1] and (self.flex or max_context <= self.width * self.block_size)
+        return 0 < num_decodes <= self.sizes[-1] and max_context <= self.width * self.block_size
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)

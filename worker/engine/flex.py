@@ -65,12 +65,15 @@ def _block_mask(kv_num, kv_indices, full_num, full_indices, block_size: int, mas
 
 
 def paged_block_mask(tables: torch.Tensor, full_num: torch.Tensor, last: torch.Tensor, limit: torch.Tensor,
-                     block_size: int, group: int):
-    """BlockMask for decode rows, from int32 buffers of their block tables.
+                     block_size: int, pool_blocks: int, group: int):
+    """BlockMask for decode rows, from int32 buffers of their block tables, over a pool of `pool_blocks`.
 
-    tables [rows, pool_blocks]: each row's block ids, the first full_num[row] of them full blocks;
-    last [rows, pool_blocks]: the row's last block id in column 0; limit [rows]: its first key past the end."""
-    rows, pool_blocks = tables.shape
+    tables [rows, width]: each row's block ids, the first full_num[row] of them full blocks; last [rows, 1]:
+    the row's last block id; limit [rows]: its first key past the end, as a position in the pool."""
+    rows = tables.shape[0]
+    # FlexAttention wants a partial-block list as wide as the pool; a row has one partial block, so a
+    # stride-0 view of one column serves without the memory.
+    last = last[:, :1].expand(rows, pool_blocks)
 
     def mask_mod(b, h, q_idx, kv_idx):
         end = limit[b]
@@ -82,26 +85,37 @@ def paged_block_mask(tables: torch.Tensor, full_num: torch.Tensor, last: torch.T
 
 
 class PagedTables:
-    """Device buffers holding up to `rows` decode rows' block tables, and their BlockMasks by row count."""
+    """Device buffers for one step's block tables: up to `rows` decode rows (their BlockMasks cached by row
+    count, so a CUDA graph replays them after a refill) and the prefill chunks' block maps.
 
-    def __init__(self, rows: int, pool_blocks: int, block_size: int, group: int, scratch_block: int,
+    width: the most blocks one sequence holds (its longest context). The decode buffers grow with
+    rows x width, not with the pool, so a large GPU pool does not multiply them."""
+
+    def __init__(self, rows: int, width: int, pool_blocks: int, block_size: int, group: int, scratch_block: int,
                  device: torch.device) -> None:
         self.block_size, self.group, self.scratch_block = block_size, group, scratch_block
-        self.tables = torch.full((rows, pool_blocks), scratch_block, dtype=torch.int32, device=device)
-        self.last = torch.full((rows, pool_blocks), scratch_block, dtype=torch.int32, device=device)
+        self.width, self.pool_blocks = width, pool_blocks
+        self.tables = torch.full((rows, width), scratch_block, dtype=torch.int32, device=device)
+        self.last = torch.full((rows, 1), scratch_block, dtype=torch.int32, device=device)
         self.counts = torch.zeros(3, rows, dtype=torch.int32, device=device)   # full blocks, last block, limit
         self.counts[1].fill_(scratch_block)
         self.counts[2].fill_(scratch_block * block_size + 1)
         pin = device.type == "cuda"
         self.host_counts = torch.zeros(3, rows, dtype=torch.int32, pin_memory=pin)
-        self.host_tables = torch.zeros(rows * pool_blocks, dtype=torch.int32, pin_memory=pin)
-        self.logical = torch.full((rows, pool_blocks), -1, dtype=torch.int32, device=device)   # prefill chunks
+        self.host_tables = torch.zeros(rows * width, dtype=torch.int32, pin_memory=pin)
+        self.logical: torch.Tensor | None = None   # prefill chunks' block maps, made on first use
         self._masks: dict[int, object] = {}
+
+    @property
+    def nbytes(self) -> int:
+        buffers = (self.tables, self.last, self.counts, self.host_counts, self.host_tables, self.logical)
+        return sum(t.numel() * t.element_size() for t in buffers if t is not None)
 
     def mask(self, rows: int):
         if rows not in self._masks:
             self._masks[rows] = paged_block_mask(self.tables[:rows], self.counts[0, :rows], self.last[:rows],
-                                                 self.counts[2, :rows], self.block_size, self.group)
+                                                 self.counts[2, :rows], self.block_size, self.pool_blocks,
+                                                 self.group)
         return self._masks[rows]
 
     def fill(self, tables: list[list[int]], contexts: list[int], rows: int) -> None:
@@ -122,51 +136,51 @@ class PagedTables:
                                       dtype=torch.int32))
             self.tables[:rows, :w].copy_(staged, non_blocking=True)
 
+    def prefill_mask(self, spans):
+        """BlockMask for prefill chunks packed as one query sequence (`group` queries per row); spans are
+        attention.Span-like (start relative to the first prefill row, length, context, table)."""
+        device, bs, group = self.tables.device, self.block_size, self.group
+        queries = sum(s.length for s in spans) * group
+        tiles = -(-queries // Q_TILE)
+        lists: list[set[int]] = [set() for _ in range(tiles)]
+        row_seq, row_pos, seq_ids, blocks, positions = [], [], [], [], []
+        for i, s in enumerate(spans):
+            first = s.context - s.length
+            row_seq += [i] * s.length
+            row_pos += range(first, s.context)
+            for tile in range(s.start * group // Q_TILE, ((s.start + s.length) * group - 1) // Q_TILE + 1):
+                last_row = min(s.start + s.length, -(-(tile + 1) * Q_TILE // group)) - 1
+                lists[tile].update(s.table[:(first + last_row - s.start) // bs + 1])
+            used = s.table[:-(-s.context // bs)]
+            seq_ids += [i] * len(used)
+            blocks += used
+            positions += range(len(used))
+        # FlexAttention wants block lists as wide as the pool: allocated on the device, only the used
+        # columns filled from the host.
+        width = max(map(len, lists))
+        indices = torch.zeros(tiles, self.pool_blocks, dtype=torch.int32, device=device)
+        indices[:, :width] = torch.tensor([sorted(b) + [0] * (width - len(b)) for b in lists], dtype=torch.int32)
+        counts = torch.tensor([len(b) for b in lists], dtype=torch.int32)
+        # Each chunk's physical-to-logical block map: [rows, pool blocks], made on first use (only this
+        # backend's prefill needs it). Its shape never varies: torch 2.13's CPU code generator does not
+        # compile a mask that reads a buffer of varying shape, nor (same error) one that looks up a block's
+        # position and then the row's table with it, which would need [rows, width] only.
+        if self.logical is None:
+            self.logical = torch.full((self.tables.shape[0], self.pool_blocks), -1, dtype=torch.int32, device=device)
+        logical = self.logical
+        logical[:len(spans)].fill_(-1)
+        index = torch.tensor([seq_ids, blocks], device=device)
+        logical.index_put_((index[0], index[1]), torch.tensor(positions, dtype=torch.int32, device=device))
+        row_seq_t = torch.tensor(row_seq, dtype=torch.int32, device=device)
+        row_pos_t = torch.tensor(row_pos, dtype=torch.int32, device=device)
 
-def prefill_block_mask(spans, logical_map: torch.Tensor, block_size: int, group: int):
-    """BlockMask for prefill chunks packed as one query sequence (`group` queries per row); spans are
-    attention.Span-like (start relative to the first prefill row, length, context, table).
-    logical_map: int32 [at least len(spans), pool_blocks] on the pool's device, overwritten."""
-    pool_blocks, device = logical_map.shape[1], logical_map.device
-    bs = block_size
-    rows = sum(s.length for s in spans)
-    queries = rows * group
-    tiles = -(-queries // Q_TILE)
-    lists: list[set[int]] = [set() for _ in range(tiles)]
-    row_seq, row_pos = [], []
-    for i, s in enumerate(spans):
-        first = s.context - s.length
-        row_seq += [i] * s.length
-        row_pos += range(first, s.context)
-        for tile in range(s.start * group // Q_TILE, ((s.start + s.length) * group - 1) // Q_TILE + 1):
-            last_row = min(s.start + s.length, -(-(tile + 1) * Q_TILE // group)) - 1
-            lists[tile].update(s.table[:(first + last_row - s.start) // bs + 1])
-    width = max(map(len, lists))
-    indices = torch.zeros(tiles, pool_blocks, dtype=torch.int32)
-    indices[:, :width] = torch.tensor([sorted(blocks) + [0] * (width - len(blocks)) for blocks in lists],
-                                      dtype=torch.int32)
-    counts = torch.tensor([len(blocks) for blocks in lists], dtype=torch.int32)
-    # Each chunk's physical-to-logical block map, in a buffer of fixed shape (its row count never varies).
-    logical = logical_map
-    logical[:len(spans)].fill_(-1)
-    seq_ids, blocks, positions = [], [], []
-    for i, s in enumerate(spans):
-        used = s.table[:-(-s.context // bs)]
-        seq_ids += [i] * len(used)
-        blocks += used
-        positions += range(len(used))
-    index = torch.tensor([seq_ids, blocks], device=device)
-    logical.index_put_((index[0], index[1]), torch.tensor(positions, dtype=torch.int32, device=device))
-    row_seq_t = torch.tensor(row_seq, dtype=torch.int32, device=device)
-    row_pos_t = torch.tensor(row_pos, dtype=torch.int32, device=device)
+        def mask_mod(b, h, q_idx, kv_idx):
+            row = q_idx // group
+            block = logical[row_seq_t[row], kv_idx // bs]
+            return (block >= 0) & (block * bs + kv_idx % bs <= row_pos_t[row])
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        row = q_idx // group
-        block = logical[row_seq_t[row], kv_idx // bs]
-        return (block >= 0) & (block * bs + kv_idx % bs <= row_pos_t[row])
-
-    return _block_mask(counts.to(device)[None, None], indices.to(device)[None, None], None, None, bs, mask_mod,
-                       (queries, pool_blocks * bs))
+        return _block_mask(counts.to(device)[None, None], indices[None, None], None, None, bs, mask_mod,
+                           (queries, self.pool_blocks * bs))
 
 
 def _pool(cache: torch.Tensor) -> torch.Tensor:

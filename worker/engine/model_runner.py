@@ -49,6 +49,7 @@ class ModelRunner:
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
+        self.max_len = min(config.max_model_len or context_length(model), context_length(model))
         self.dtype = next(model.parameters()).dtype
         attention.register()
         self.original_attn = model.config._attn_implementation
@@ -73,8 +74,9 @@ class ModelRunner:
                 raise ValueError(f"The 'flex' attention backend needs a block_size that is a multiple of "
                                  f"{flex.GPU_MIN_BLOCK} on {self.device.type}, not {config.block_size}; "
                                  "change block_size or use 'gather'.")
-            self.paged = flex.PagedTables(config.max_num_seqs, self.num_blocks + 1, config.block_size,
-                                          query_group(model), self.num_blocks, self.device)
+            self.paged = flex.PagedTables(config.max_num_seqs, -(-self.max_len // config.block_size),
+                                          self.num_blocks + 1, config.block_size, query_group(model),
+                                          self.num_blocks, self.device)
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
         # (enforce_eager=False), where they run eagerly.
@@ -85,7 +87,6 @@ class ModelRunner:
     def _static_decode(self, model, config: EngineConfig) -> DecodeGraphs | None:
         """Static decode buffers (graphs on CUDA) with the decode attention asked for, else the first of
         "flex", "gather" whose graphs capture; None (eager decode steps) when neither does."""
-        max_len = min(config.max_model_len or context_length(model), context_length(model))
         requested = attention.choose_decode_attention(config.decode_attention)
         modes = [requested] if requested else list(attention.DECODE_MODES)
         if "flex" in modes and not flex.fits(self.device, config.block_size):
@@ -94,7 +95,7 @@ class ModelRunner:
             modes = [m for m in modes if m != "flex"] or ["gather"]
         for mode in modes:
             graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size, config.max_num_seqs,
-                                  max_len, use_graphs=True, attention_mode=mode, group=query_group(model))
+                                  self.max_len, use_graphs=True, attention_mode=mode, group=query_group(model))
             if graphs.capture():
                 return graphs
         return None

@@ -387,22 +387,41 @@ def test_stop_string_ends_the_answer_and_is_never_streamed(tiny):
     assert results["cut"].text == full[:cut] == "".join(deltas["cut"])
 
 
-def test_multibyte_characters_are_never_split(tokenizer):
+def detokenizer(tokenizer, mode: str, stop: tuple[str, ...] = ()):
+    """The default tokenizer's streaming decoder, or the windowed decoding that other tokenizers get."""
     from worker.engine.detokenizer import IncrementalDetokenizer
 
+    detok = IncrementalDetokenizer(tokenizer, stop)
+    assert detok.stream is not None, "the default tokenizer should stream"
+    if mode == "window":
+        detok.stream = None
+    return detok
+
+
+@pytest.mark.parametrize("mode", ["stream", "window"])
+def test_multibyte_characters_are_never_split(tokenizer, mode):
     text = "Grüße aus Köln 👋 — 東京への配送は3日です 🚚📦 ok"
     ids = tokenizer.encode(text, add_special_tokens=False)
-    detok = IncrementalDetokenizer(tokenizer)
+    detok = detokenizer(tokenizer, mode)
     deltas = [detok.push([i]) for i in ids] + [detok.flush()]
     assert "".join(deltas) == text
     assert not any("\ufffd" in d for d in deltas)
     assert "" in deltas[:-1], "some token should end inside a character, or this test proves nothing"
 
 
-def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer):
-    from worker.engine.detokenizer import IncrementalDetokenizer
+@pytest.mark.parametrize("mode", ["stream", "window"])
+def test_an_answer_cut_inside_a_character_shows_what_it_has(tokenizer, mode):
+    ids = tokenizer.encode("ok 👋", add_special_tokens=False)
+    detok = detokenizer(tokenizer, mode)
+    shown = "".join(detok.push([i]) for i in ids[:-1])
+    assert shown == "ok"   # the emoji's first bytes are held
+    assert shown + detok.flush() == tokenizer.decode(ids[:-1]) == detok.text
+    assert detok.text.endswith("\ufffd")
 
-    detok = IncrementalDetokenizer(tokenizer, stop=("ORDER-END",))
+
+@pytest.mark.parametrize("mode", ["stream", "window"])
+def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer, mode):
+    detok = detokenizer(tokenizer, mode, stop=("ORDER-END",))
     ids = tokenizer.encode("Your ORDER-EN is ready, ORDER-END and more", add_special_tokens=False)
     shown = []
     for i in ids:

@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
+try:
+    from tokenizers.decoders import DecodeStream
+except ImportError:   # tokenizers without a streaming decoder: every tokenizer decodes by windows
+    DecodeStream = None
+
+
+def _stream_for(tokenizer):
+    """(Rust tokenizer, its streaming decoder) when the tokenizer has one that decodes as it does, else
+    (None, None)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if DecodeStream is None or backend is None or not hasattr(backend, "decode"):
+        return None, None
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False):   # a Python pass the stream does not make
+        return None, None
+    return backend, DecodeStream(skip_special_tokens=True)
+
 
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas.
 
-    Decoding only a window of recent tokens keeps each step O(1); a window whose text ends in
-    U+FFFD is an unfinished multi-byte character and waits for the next token. Text that could be
-    the start of a stop string is held back, so the deltas always add up to the final text.
+    With a Rust ("fast") tokenizer, each token goes through its streaming decoder (`DecodeStream`): one
+    native call per token, which returns nothing while a multi-byte character is unfinished. Otherwise a
+    window of recent tokens is decoded twice per token, and a window whose text ends in U+FFFD waits for the
+    next token. Both keep each step O(1). Text that could be the start of a stop string is held back, so the
+    deltas always add up to the final text.
     """
 
     def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
@@ -20,11 +38,22 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.backend, self.stream = _stream_for(tokenizer)
+        self.fed = 0   # tokens the stream has seen
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _advance(self, final: bool) -> None:
+        if self.stream is not None and not final:
+            for i in range(self.fed, len(self.ids)):
+                piece = self.stream.step(self.backend, self.ids[i])
+                if piece:
+                    self.text += piece
+                    self.prefix_offset, self.read_offset = self.read_offset, i + 1
+            self.fed = len(self.ids)
+            return
+        # Windowed: also the final flush of a stream, which shows what an unfinished character left.
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):

@@ -19,6 +19,9 @@ pool. `attend` therefore refuses to run eagerly: a recompile past dynamo's limit
 
 from __future__ import annotations
 
+from itertools import chain
+
+import numpy as np
 import torch
 
 Q_TILE = 128          # queries per BlockMask row tile in the prefill form
@@ -131,9 +134,13 @@ class PagedTables:
         self.last[:rows, 0].copy_(self.counts[1, :rows])
         w = max(full)
         if w:   # only the full blocks' ids are uploaded; columns past a row's count are never read
+            counts = np.asarray(full + [0] * pad)
+            ids = np.fromiter(chain.from_iterable(t[:f] for t, f in zip(tables, full)), dtype=np.int32,
+                              count=int(counts.sum()))
             staged = self.host_tables[:rows * w].view(rows, w)
-            staged.copy_(torch.tensor([t[:w] + [scratch] * (w - len(t[:w])) for t in tables] + [[scratch] * w] * pad,
-                                      dtype=torch.int32))
+            array = staged.numpy()
+            array.fill(scratch)
+            array[np.arange(w)[None, :] < counts[:, None]] = ids   # row-major: each row's ids in order
             self.tables[:rows, :w].copy_(staged, non_blocking=True)
 
     def prefill_mask(self, spans):

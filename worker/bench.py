@@ -396,6 +396,7 @@ def run_engine(setup: Setup, slots: int, budget: int, name: str = "engine", pack
 def drive_engine(setup: Setup, engine, name: str) -> Run:
     from worker.engine import SamplingParams
 
+    print(f"{name}: {engine.runner.describe_steps()}", file=sys.stderr, flush=True)
     start = time.time()
     for request in setup.requests:
         engine.add_request(request.id, prompt_token_ids=request.prompt_ids,
@@ -706,6 +707,7 @@ def profile_decode(setup: Setup, seqs: int, sampling: str, steps: int) -> dict:
     config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
                           num_blocks=blocks, **setup.engine_options)
     engine = LLMEngine(setup.model, setup.tokenizer, config)
+    print(f"{seqs} seqs: {engine.runner.describe_steps()}", file=sys.stderr, flush=True)
     cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:

@@ -109,15 +109,7 @@ class WorkerRuntime:
                 f"KV pool {size['kv_blocks']} blocks ({size['kv_tokens']} tokens, {(size['kv_bytes'] or 0) / 2**30:.2f} "
                 f"GiB) sized by {size['kv_sizing']}")
         if runner is not None:
-            line += f"; attention {runner.attention_backend}"
-            graphs = runner.decode_graphs
-            if graphs is None:
-                line += "; decode steps eager"
-            elif graphs.graphs:
-                line += (f"; {len(graphs.graphs)} decode graphs ({graphs.attention_mode} attention) captured in "
-                         f"{graphs.capture_s:.2f} s, {graphs.graph_bytes / 2**20:.1f} MiB")
-            else:
-                line += f"; decode steps through {len(graphs.sizes)} static buckets ({graphs.attention_mode} attention), no graphs"
+            line += "; " + runner.describe_steps()
         return line
 
     # ---- outputs ----------------------------------------------------------------------------

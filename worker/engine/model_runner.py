@@ -100,6 +100,18 @@ class ModelRunner:
                 return graphs
         return None
 
+    def describe_steps(self) -> str:
+        """How steps run: the attention backend, and decode graphs (captured, buckets only, or none)."""
+        line = f"attention {self.attention_backend}"
+        graphs = self.decode_graphs
+        if graphs is None:
+            return line + "; decode steps eager"
+        if graphs.graphs:
+            return line + (f"; {len(graphs.graphs)} decode graphs ({graphs.attention_mode} attention) captured in "
+                           f"{graphs.capture_s:.2f} s, {graphs.graph_bytes / 2**20:.1f} MiB")
+        return (line + f"; decode steps through {len(graphs.sizes)} static buckets ({graphs.attention_mode} "
+                       "attention), no graphs")
+
     def release_model(self) -> None:
         """Give the model back as it came: dense linears and its own attention."""
         unpack_linears(self.model)

@@ -1,0 +1,62 @@
+#!/bin/sh
+# The GPU benchmarks (docs/BENCHMARKS.md, "GPU") on a CUDA machine that has torch but no package registry.
+#
+# Here: `make gpu-kit` puts the pinned pure-Python and abi3 wheels, and the default model's tokenizer, in
+# .gpu-kit/ (about 25 MB). There, from a copy of this repository with .gpu-kit beside it:
+#
+#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | w256 | nano | backend | all
+#
+# Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results).
+set -eu
+part=${1:-check}
+out=${2:-${OUT:-gpu-results}}
+kit=${GPU_KIT:-.gpu-kit}
+site=${GPU_KIT_SITE:-/tmp/gpu-kit-site}
+mkdir -p "$out"
+
+if [ ! -f "$site/.installed" ]; then
+    python -m pip install --quiet --no-deps --no-index --target "$site" "$kit"/wheels/*.whl
+    touch "$site/.installed"
+fi
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python - <<'EOF' | tee "$out/versions.txt"
+import platform, torch, transformers, tokenizers
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
+      "transformers", transformers.__version__, "tokenizers", tokenizers.__version__)
+print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
+EOF
+
+bench() {   # bench NAME ARGS...: one run, its log and JSON kept
+    name=$1; shift
+    echo "== $name: python -m worker.bench $*" | tee -a "$out/commands.txt"
+    python -m worker.bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 | grep -v 'req/s\]' | tee "$out/$name.log"
+}
+
+case $part in
+check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions
+    for d in flex gather; do
+        bench "check-$d" --random-weights smollm2-135m --dtype float32 --limit 16 --decode "$d" \
+            --skip static,transformers_cb,engine_best
+    done ;;
+esac
+case $part in
+steps|all)   # decode step wall time against GPU busy time, 16 / 64 / 256 sequences
+    for d in flex gather eager; do
+        bench "steps-$d" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --decode "$d"
+    done ;;
+esac
+case $part in
+w256|all)    # target: the engine >= 3x transformers CB (CUDA graphs) at 64 equal slots
+    bench w256 --workload workload-256 --random-weights smollm2-135m --slots 64 --skip reference,static ;;
+esac
+case $part in
+nano|all)    # target: >= 15,000 tok/s on nano-vllm's shape with Qwen3-0.6B
+    bench nano --workload nano --random-weights qwen3-0.6b --slots 256 --skip static,reference ;;
+esac
+case $part in
+backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every chunk, against SDPA per chunk
+    for b in flex gather; do
+        ATTENTION_BACKEND=$b bench "backend-$b" --workload workload-256 --random-weights smollm2-135m --slots 64 \
+            --skip reference,static,transformers_cb
+    done ;;
+esac

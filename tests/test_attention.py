@@ -150,5 +150,15 @@ def test_flex_decode_buffers_grow_with_the_longest_context_not_with_the_pool():
     assert paged.logical is None   # the prefill map is made only when the flex backend prefills
     assert paged.nbytes < 2 * rows * width * 4 + 64 * rows
     mask = paged.mask(rows)
-    assert mask.kv_indices.shape[-1] == pool_blocks   # FlexAttention's own view spans the pool ...
+    assert mask.kv_indices.shape[-1] == pool_blocks   # the CPU kernel's view spans the pool ...
     assert mask.kv_indices.stride(-1) == 0            # ... without allocating it
+
+
+def test_on_a_gpu_both_decode_block_lists_share_one_layout():
+    """The GPU decoding kernel reads the full-block list through the partial list's strides and width."""
+    paged = flex.PagedTables(256, 512, 200_000, 16, 3, scratch_block=0, device=torch.device("meta"))
+    assert paged.nbytes < 3 * 256 * 512 * 4 + 64 * 256
+    for rows in (1, 24, 256):
+        mask = paged.mask(rows)
+        assert mask.kv_indices.shape == mask.full_kv_indices.shape == (rows, 1, 1, 512)
+        assert mask.kv_indices.stride() == mask.full_kv_indices.stride()

@@ -71,12 +71,12 @@ def paged_block_mask(tables: torch.Tensor, full_num: torch.Tensor, last: torch.T
                      block_size: int, pool_blocks: int, group: int):
     """BlockMask for decode rows, from int32 buffers of their block tables, over a pool of `pool_blocks`.
 
-    tables [rows, width]: each row's block ids, the first full_num[row] of them full blocks; last [rows, 1]:
-    the row's last block id; limit [rows]: its first key past the end, as a position in the pool."""
+    tables [rows, width]: each row's block ids, the first full_num[row] of them full blocks; last [rows, 1] or
+    [rows, width]: the row's last block id in column 0; limit [rows]: its first key past the end, as a
+    position in the pool."""
     rows = tables.shape[0]
-    # FlexAttention wants a partial-block list as wide as the pool; a row has one partial block, so a
-    # stride-0 view of one column serves without the memory.
-    last = last[:, :1].expand(rows, pool_blocks)
+    if last.shape[-1] == 1:   # CPU: a stride-0 view as wide as the pool (see PagedTables)
+        last = last.expand(rows, pool_blocks)
 
     def mask_mod(b, h, q_idx, kv_idx):
         end = limit[b]
@@ -99,7 +99,12 @@ class PagedTables:
         self.block_size, self.group, self.scratch_block = block_size, group, scratch_block
         self.width, self.pool_blocks = width, pool_blocks
         self.tables = torch.full((rows, width), scratch_block, dtype=torch.int32, device=device)
-        self.last = torch.full((rows, 1), scratch_block, dtype=torch.int32, device=device)
+        # A row's one partial block, in column 0. The kernels disagree on the list's layout: the CPU kernel
+        # wants it to span the pool (so it gets a stride-0 view of one column) and reads each list through
+        # its own strides; the GPU kernels read the full-block list through the partial list's strides, so
+        # there the two share one shape and layout.
+        last_width = 1 if device.type == "cpu" else width
+        self.last = torch.full((rows, last_width), scratch_block, dtype=torch.int32, device=device)
         self.counts = torch.zeros(3, rows, dtype=torch.int32, device=device)   # full blocks, last block, limit
         self.counts[1].fill_(scratch_block)
         self.counts[2].fill_(scratch_block * block_size + 1)

@@ -211,8 +211,20 @@ def attend(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         torch._dynamo.mark_static(t, 3)
     if static_queries:
         torch._dynamo.mark_static(queries, 2)
+    options = gpu_kernel_options(block_mask.BLOCK_SIZE[1]) if queries.device.type == "cuda" and not static_queries else None
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        return _flex()(queries, keys, values, block_mask=block_mask, scale=scaling)
+        return _flex()(queries, keys, values, block_mask=block_mask, scale=scaling, kernel_options=options)
+
+
+def gpu_kernel_options(block_size: int) -> dict:
+    """Triton kernel options for the prefill form. Its kernel's KV tile (64 keys or more by default) must
+    divide the KV block size, and nothing shrinks it for a smaller block as the decoding kernel does (torch
+    2.11 and 2.13 raise "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"): the tile is the
+    largest power of two up to 64 that divides the block size."""
+    tile = 64
+    while block_size % tile:
+        tile //= 2
+    return {"BLOCK_N": tile}
 
 
 def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_mask,

@@ -165,8 +165,8 @@ def test_on_a_gpu_both_decode_block_lists_share_one_layout():
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128, 272])
-def test_the_gpu_prefill_kernel_tile_divides_every_block_size_flex_takes(block_size):
-    """The Triton prefill kernel raises when its KV tile does not divide the KV block size."""
+def test_the_gpu_kernel_tile_divides_every_block_size_flex_takes(block_size):
+    """The main Triton kernel raises when its KV tile does not divide the KV block size."""
     assert flex.fits(torch.device("cuda"), block_size)
     tile = flex.gpu_kernel_options(block_size)["BLOCK_N"]
     assert block_size % tile == 0 and 16 <= tile <= 64

@@ -211,16 +211,18 @@ def attend(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         torch._dynamo.mark_static(t, 3)
     if static_queries:
         torch._dynamo.mark_static(queries, 2)
-    options = gpu_kernel_options(block_mask.BLOCK_SIZE[1]) if queries.device.type == "cuda" and not static_queries else None
+    options = gpu_kernel_options(block_mask.BLOCK_SIZE[1]) if queries.device.type == "cuda" else None
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         return _flex()(queries, keys, values, block_mask=block_mask, scale=scaling, kernel_options=options)
 
 
 def gpu_kernel_options(block_size: int) -> dict:
-    """Triton kernel options for the prefill form. Its kernel's KV tile (64 keys or more by default) must
-    divide the KV block size, and nothing shrinks it for a smaller block as the decoding kernel does (torch
-    2.11 and 2.13 raise "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"): the tile is the
-    largest power of two up to 64 that divides the block size."""
+    """Triton kernel options. The main FlexAttention kernel's KV tile (64 keys or more by default) must divide
+    the KV block size, and unlike the decoding kernel it does not shrink the tile for a smaller block (torch
+    2.11 and 2.13 raise "Q and KV block size must be divisible by BLOCK_M and BLOCK_N"). Prefill chunks run
+    there, and so do decode rows once their count varies: the decoding kernel needs a static batch, and
+    dynamo makes the row count symbolic after the first change. The tile is the largest power of two up to
+    64 that divides the block size."""
     tile = 64
     while block_size % tile:
         tile //= 2

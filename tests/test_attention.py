@@ -155,13 +155,16 @@ def test_flex_decode_buffers_grow_with_the_longest_context_not_with_the_pool():
 
 
 def test_on_a_gpu_both_decode_block_lists_share_one_layout():
-    """The GPU decoding kernel reads the full-block list through the partial list's strides and width."""
+    """The GPU kernels read the full-block list through the partial list's strides and width."""
     paged = flex.PagedTables(256, 512, 200_000, 16, 3, scratch_block=0, device=torch.device("meta"))
     assert paged.nbytes < 3 * 256 * 512 * 4 + 64 * 256
     for rows in (1, 24, 256):
         mask = paged.mask(rows)
         assert mask.kv_indices.shape == mask.full_kv_indices.shape == (rows, 1, 1, 512)
         assert mask.kv_indices.stride() == mask.full_kv_indices.stride()
+        # The main kernel offsets every list as a contiguous [batch, heads, rows, columns] tensor.
+        for t in (mask.kv_indices, mask.full_kv_indices, mask.kv_num_blocks, mask.full_kv_num_blocks):
+            assert t.is_contiguous()
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 48, 64, 128, 272])

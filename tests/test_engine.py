@@ -300,6 +300,8 @@ def test_engine_config_is_validated(tiny):
         LLMEngine(model, tok, EngineConfig(max_num_seqs=0))
     with pytest.raises(ValueError, match="at least max_num_seqs"):
         LLMEngine(model, tok, EngineConfig(max_num_seqs=64, max_num_batched_tokens=32))
+    with pytest.raises(ValueError, match="sampler_candidates"):
+        LLMEngine(model, tok, EngineConfig(sampler_candidates=-1))
 
 
 # ---- sampling through the engine ------------------------------------------------------------------------
@@ -310,8 +312,8 @@ def test_same_seed_same_output_whatever_shares_the_batch(tiny):
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.95, repetition_penalty=1.2, seed=7,
                             max_new_tokens=20, ignore_eos=True)
 
-    def run(extra: int, seed: int = 7) -> list[int]:
-        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+    def run(extra: int, seed: int = 7, candidates: int | None = None) -> list[int]:
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64, sampler_candidates=candidates))
         for j in range(extra):
             engine.add_request(f"other{j}", prompt_token_ids=chat_ids(tok, QUESTIONS[j]),
                                params=SamplingParams(temperature=1.3, max_new_tokens=25))
@@ -322,6 +324,8 @@ def test_same_seed_same_output_whatever_shares_the_batch(tiny):
     alone = run(0)
     assert run(3) == alone
     assert run(0, seed=8) != alone
+    # The top-k/top-p cut-off found by a full sort draws the same tokens as among the best candidates.
+    assert run(3, candidates=0) == alone
 
 
 def test_seeded_request_is_batch_independent_in_any_arrival_order_and_unseeded_ones_vary(tiny):

@@ -222,7 +222,7 @@ def test_same_seed_gives_same_tokens_alone_or_in_any_batch() -> None:
     for position, mates in [(2, MATES), (0, MATES[::-1]), (1, MATES[1:2]), (3, MATES[2:] + MATES[:1])]:
         assert decode(target, 1234, mates, position) == alone, (position, mates)
     # Other paths through the sampler: forced full sorts on CPU.
-    assert decode(target, 1234, MATES, 4, sampler=Sampler(cpu_candidates=0)) == alone
+    assert decode(target, 1234, MATES, 4, sampler=Sampler(candidates=0)) == alone
 
 
 def test_same_seed_plain_temperature_is_batch_independent() -> None:
@@ -386,7 +386,7 @@ def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.M
     seeds = list(range(rows))
     fast = Sampler()(logits, params, histories, seeds)
     assert taken, "peaked logits keep every nucleus among the candidates"
-    full = Sampler(cpu_candidates=0)(logits, params, histories, seeds)
+    full = Sampler(candidates=0)(logits, params, histories, seeds)
     assert torch.equal(fast, full)
 
 

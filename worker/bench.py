@@ -455,7 +455,8 @@ def describe(info: dict) -> str:
     return (f"device={info['device']} dtype={info['dtype']} slots={info['slots']} model={info['model']} "
             f"torch={torch.__version__} transformers={transformers.__version__} "
             f"threads={torch.get_num_threads()} python={platform.python_version()}"
-            + (f" decode={info['decode']}" if info.get("decode") else ""))
+            + (f" decode={info['decode']}" if info.get("decode") else "")
+            + (f" sampler_candidates={info['sampler_candidates']}" if "sampler_candidates" in info else ""))
 
 
 def plot_methods(path: Path, methods: dict[str, dict], runs: dict[str, Run]) -> None:
@@ -559,6 +560,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode", choices=sorted(DECODE_CHOICES), default=None,
                         help="the engine's decode steps: eager, or through static buffers (CUDA graphs on CUDA) "
                              "with flex (in place) or gather attention (default: the device's default)")
+    parser.add_argument("--sampler-candidates", type=int, default=None, metavar="N",
+                        help="the engine's top-k/top-p cut-off searched among the N best tokens first, 0 for a full "
+                             "sort (default: 256 on CPU, a full sort elsewhere)")
     parser.add_argument("--ablate", action="store_true",
                         help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -620,8 +624,11 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     info = {"slots": args.slots, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "model": getattr(model, "name_or_source", args.model), "workload": Path(args.workload).name}
+    options = dict(DECODE_CHOICES[args.decode]) if args.decode else {}
+    if args.sampler_candidates is not None:
+        options["sampler_candidates"] = info["sampler_candidates"] = args.sampler_candidates
     setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
-                  ignore_eos=nano, engine_options=DECODE_CHOICES[args.decode] if args.decode else {})
+                  ignore_eos=nano, engine_options=options)
     if args.decode:
         info["decode"] = args.decode
     return setup, info

@@ -4,7 +4,7 @@
 # Here: `make gpu-kit` puts the pinned pure-Python and abi3 wheels, and the default model's tokenizer, in
 # .gpu-kit/ (about 25 MB). There, from a copy of this repository with .gpu-kit beside it:
 #
-#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | w256 | nano | backend | all
+#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | backend | all
 #
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results).
 set -eu
@@ -43,6 +43,12 @@ case $part in
 steps|all)   # decode step wall time against GPU busy time, 16 / 64 / 256 sequences
     for d in flex gather eager; do
         bench "steps-$d" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --decode "$d"
+    done ;;
+esac
+case $part in
+sampler|all) # sampled against greedy steps: a full sort per step (the GPU default) against the 256 best first
+    for n in 0 256; do
+        bench "sampler-$n" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --sampler-candidates "$n"
     done ;;
 esac
 case $part in

@@ -120,7 +120,7 @@ def sampler_table(model, tokenizer, rows_list: list[int], repeats: int, workload
         for kind, config in KINDS.items():
             params = [SamplingParams(**config)] * rows
             new = time_calls(Sampler(), logits, params, histories, repeats)
-            sort = time_calls(Sampler(cpu_candidates=0), logits, params, histories, repeats)
+            sort = time_calls(Sampler(candidates=0), logits, params, histories, repeats)
             old = time_calls(PreviousSampler(), logits, params, histories, repeats)
             results.append({"rows": rows, "vocab": logits.shape[1], "kind": kind, "new_ms": new * 1e3,
                             "full_sort_ms": sort * 1e3, "previous_ms": old * 1e3})

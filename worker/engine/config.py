@@ -20,6 +20,8 @@ class EngineConfig:
     attention_backend: str | None = None  # "kernel" or "gather"; None: $ATTENTION_BACKEND, else the device's best
     decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";
                                          # None: $DECODE_ATTENTION, else "flex", falling back to "gather"
+    sampler_candidates: int | None = None  # top-k/top-p searched among this many best tokens first (0: a full
+                                           # sort); None: 256 on CPU, a full sort elsewhere (sampler.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -28,6 +30,9 @@ class EngineConfig:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer; got {value!r}")
+        if self.sampler_candidates is not None and (not isinstance(self.sampler_candidates, int)
+                                                    or self.sampler_candidates < 0):
+            raise ValueError(f"EngineConfig.sampler_candidates must be 0 or more; got {self.sampler_candidates!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be positive; got {self.num_blocks}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:

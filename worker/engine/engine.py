@@ -73,7 +73,7 @@ class LLMEngine:
         self.max_model_len = min(self.config.max_model_len or context_length(model), context_length(model))
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
-        self.sampler = Sampler()
+        self.sampler = Sampler(self.config.sampler_candidates)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.seqs: dict[str, Sequence] = {}
         self.steps = 0

@@ -11,7 +11,8 @@ import torch
 from worker.engine.sampling_params import SamplingParams
 
 # On CPU the top-k/top-p cut-off is looked for among this many best tokens first (a partial sort); rows whose
-# cut-off lies further down fall back to a full sort. Devices where a full sort is cheap always sort.
+# cut-off lies further down fall back to a full sort. Elsewhere a full sort by default, which needs no host read
+# in the middle of a step (EngineConfig.sampler_candidates chooses, for measuring either on a GPU).
 CPU_CANDIDATES = 256
 MAX_CANDIDATES = 1024
 _M32 = 0xFFFFFFFF
@@ -300,8 +301,8 @@ class Sampler:
     """Picks one token per row. Greedy rows take the exact argmax; sampled rows draw with one uniform from
     (seed, position), so a request's tokens do not depend on which other requests share the batch."""
 
-    def __init__(self, cpu_candidates: int = CPU_CANDIDATES) -> None:
-        self.cpu_candidates = cpu_candidates   # 0: always a full sort
+    def __init__(self, candidates: int | None = None) -> None:
+        self.candidates = candidates   # 0: always a full sort; None: CPU_CANDIDATES on CPU, else a full sort
         self.history = TokenHistory()
         self._rows_key: tuple | None = None
         self._rows_params: list[SamplingParams] = []
@@ -341,14 +342,16 @@ class Sampler:
         if not rows.any_filter:
             return draw_full(scores, row_max, None, u)
         width = vocab
-        if scores.device.type == "cpu" and self.cpu_candidates:
+        limit = self.candidates if self.candidates is not None else (
+            CPU_CANDIDATES if scores.device.type == "cpu" else 0)
+        if limit:
             # Rows that all have a top-k need no more candidates than the largest k.
-            want = rows.max_top_k if not rows.any_top_p_without_top_k else max(self.cpu_candidates, rows.max_top_k)
+            want = rows.max_top_k if not rows.any_top_p_without_top_k else max(limit, rows.max_top_k)
             width = min(vocab, want, MAX_CANDIDATES)
         cut = cutoff(scores, row_max, rows, width)
         if width == vocab:
             return draw_full(scores, row_max, cut.threshold, u)
-        # Host reads from here on, which cost nothing on CPU.
+        # Host reads from here on: nothing on CPU, a wait for the step's kernels on a GPU.
         unknown = cut.unknown.squeeze(1).nonzero().squeeze(1)
         if len(unknown):
             # Those rows' cut-off lies beyond the candidates: a full sort of just them.

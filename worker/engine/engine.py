@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner, context_length
+from .model_runner import ModelRunner
 from .outputs import EngineStats, Event, RequestFinished, TokenDelta
 from .sampler import Sampler, random_seed
 from .sampling_params import SamplingParams
@@ -70,7 +70,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.runner = ModelRunner(model, self.config)
         self.device = self.runner.device
-        self.max_model_len = min(self.config.max_model_len or context_length(model), context_length(model))
+        self.max_model_len = self.runner.max_len
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.config.sampler_candidates)

@@ -12,14 +12,16 @@ part=${1:-check}
 out=${2:-${OUT:-gpu-results}}
 kit=${GPU_KIT:-.gpu-kit}
 site=${GPU_KIT_SITE:-/tmp/gpu-kit-site}
+py=${PYTHON:-python3}
 mkdir -p "$out"
 
 if [ ! -f "$site/.installed" ]; then
-    python -m pip install --quiet --no-deps --no-index --target "$site" "$kit"/wheels/*.whl
+    # A wheel is a zip of what goes on the path: unpacking it needs no pip.
+    for wheel in "$kit"/wheels/*.whl; do "$py" -m zipfile -e "$wheel" "$site"; done
     touch "$site/.installed"
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-python - <<'EOF' | tee "$out/versions.txt"
+"$py" - <<'EOF' | tee "$out/versions.txt"
 import platform, torch, transformers, tokenizers
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "transformers", transformers.__version__, "tokenizers", tokenizers.__version__)
@@ -29,7 +31,7 @@ EOF
 bench() {   # bench NAME ARGS...: one run, its log and JSON kept
     name=$1; shift
     echo "== $name: python -m worker.bench $*" | tee -a "$out/commands.txt"
-    python -m worker.bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 | grep -v 'req/s\]' | tee "$out/$name.log"
+    "$py" -m worker.bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 | grep -v 'req/s\]' | tee "$out/$name.log"
 }
 
 case $part in

@@ -105,9 +105,9 @@ def choose_decode_attention(requested: str | None) -> str | None:
     return requested
 
 
-def _padded_tables(spans: list[Span], width: int) -> list[list[int]]:
-    """Each span's first `width` block ids, padded with block 0 (masked out by the context lengths)."""
-    return [s.table[:width] + [0] * (width - len(s.table[:width])) for s in spans]
+def padded_tables(tables: list[list[int]], width: int, pad: int = 0) -> list[list[int]]:
+    """Each table's first `width` block ids, padded with block `pad` (masked out by the context lengths)."""
+    return [t[:width] + [pad] * (width - len(t[:width])) for t in tables]
 
 
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
@@ -131,7 +131,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
             row_seq += [i] * s.length
             row_pos += range(s.context - s.length, s.context)
         width = max(-(-s.context // block_size) for s in spans)
-        tables = torch.tensor(_padded_tables(spans, width), dtype=torch.int32)
+        tables = torch.tensor(padded_tables([s.table for s in spans], width), dtype=torch.int32)
         row_seq_t = torch.tensor(row_seq, dtype=torch.int32)
         row_pos_t = torch.tensor(row_pos, dtype=torch.int32)
         ctx.kernel_tensors = (row_seq_t, row_pos_t, tables)
@@ -141,7 +141,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
     decodes = spans[:num_decodes]
     if decodes:
         width = max(-(-s.context // block_size) for s in decodes)
-        ctx.decode_blocks = torch.tensor(_padded_tables(decodes, width), device=device)
+        ctx.decode_blocks = torch.tensor(padded_tables([s.table for s in decodes], width), device=device)
         lengths = torch.tensor([s.context for s in decodes], device=device)
         mask = torch.arange(width * block_size, device=device)[None, :] < lengths[:, None]
         ctx.decode_mask = mask[None, :, None, :]

@@ -5,8 +5,9 @@ slots, block tables and context lengths are copied into fixed buffers, the rows 
 (they write to a scratch block of the pool and read one key of it), and the bucket's captured graph
 replays. Decode attention either reads the pool in place ("flex", a compiled FlexAttention kernel whose
 block lists are the step's block tables: any context length fits) or gathers each row's blocks up to a
-static width ("gather", MAX_GRAPH_CONTEXT tokens at most). On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and
-buckets run eagerly (how the tests exercise this path); by default CPU steps skip it entirely.
+static width ("gather", MAX_GRAPH_CONTEXT tokens at most). On CPU there are no graphs: with
+EngineConfig.enforce_eager=False the same buffers and buckets run eagerly (how the tests exercise this
+path); by default CPU steps skip it entirely.
 """
 
 from __future__ import annotations
@@ -149,7 +150,7 @@ class DecodeGraphs:
         else:
             w = self.width
             staged = self.host_table[:b * w].view(b, w)
-            staged.copy_(torch.tensor([t[:w] + [scratch] * (w - len(t[:w])) for t in tables] + [[scratch] * w] * pad))
+            staged.copy_(torch.tensor(attention.padded_tables(tables, w, scratch) + [[scratch] * w] * pad))
             self.tables[:b].copy_(staged, non_blocking=True)
         self.steps_per_bucket[b] += 1
         self.padding_rows += pad

@@ -19,6 +19,7 @@ pool. `attend` therefore refuses to run eagerly: a recompile past dynamo's limit
 
 from __future__ import annotations
 
+import functools
 from itertools import chain
 
 import numpy as np
@@ -216,6 +217,7 @@ def attend(queries: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         return _flex()(queries, keys, values, block_mask=block_mask, scale=scaling, kernel_options=options)
 
 
+@functools.cache
 def gpu_kernel_options(block_size: int) -> dict:
     """Triton kernel options. The main FlexAttention kernel's KV tile (64 keys or more by default) must divide
     the KV block size, and unlike the decoding kernel it does not shrink the tile for a smaller block (torch

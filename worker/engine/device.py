@@ -19,6 +19,7 @@ import torch
 
 from . import attention, flex
 from .attention import StepContext
+from .transfer import Staging, upload
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class DecodeGraphs:
         # Host staging: one non-blocking copy per step into the device buffers.
         pin = device.type == "cuda"
         self.host_rows = torch.zeros(self.rows.shape, dtype=torch.long, pin_memory=pin)
+        self.staging = Staging(device)
         self.paged: flex.PagedTables | None = None
         if self.flex:
             self.paged = flex.PagedTables(n, self.width, kv.shape[3], block_size, group, scratch_block, device)
@@ -135,12 +137,17 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def run(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]]) -> torch.Tensor:
-        """Logits [n, vocab] of a decode step of n sequences, through the static buffers."""
+    def run(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
+            pending: torch.Tensor | None = None, fixes: list[tuple[int, int]] = ()) -> torch.Tensor:
+        """Logits [n, vocab] of a decode step of n sequences, through the static buffers.
+
+        fixes: (row, i) for rows whose token is still on the device, as `pending[i]` (the previous step's
+        sampled tokens, not yet read back)."""
         n = len(tokens)
         b = self.bucket(n)
         pad, scratch = b - n, self.scratch_block
         context = [p + 1 for p in positions]
+        self.staging.wait()
         host_rows = self.host_rows[:, :b]
         host_rows.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
                                       context + [1] * pad]))
@@ -152,6 +159,10 @@ class DecodeGraphs:
             staged = self.host_table[:b * w].view(b, w)
             staged.copy_(torch.tensor(attention.padded_tables(tables, w, scratch) + [[scratch] * w] * pad))
             self.tables[:b].copy_(staged, non_blocking=True)
+        self.staging.record()
+        if fixes:
+            index = upload(list(zip(*fixes)), torch.long, self.kv.device)
+            self.input_ids[0, index[0]] = pending[index[1]]
         self.steps_per_bucket[b] += 1
         self.padding_rows += pad
         graph = self.graphs.get(b)

@@ -7,6 +7,9 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
 
 from .block_manager import BlockManager
 from .config import EngineConfig
@@ -16,9 +19,18 @@ from .outputs import EngineStats, Event, RequestFinished, TokenDelta
 from .sampler import Sampler, random_seed
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler
-from .sequence import Sequence, Status
+from .sequence import PENDING, Sequence, Status
+from .transfer import Readback, upload
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlight:
+    """A step's sampled tokens not yet read back: row i is the next token of seqs[i]."""
+
+    seqs: list[Sequence]
+    readback: Readback
 
 
 class InvalidRequestError(ValueError):
@@ -78,6 +90,7 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.steps = 0
         self.last_batch = (0, 0)
+        self._in_flight: InFlight | None = None   # overlapped steps: the last step's tokens, still on the device
         # Threaded mode: other threads only touch these, under the lock; the loop thread drains them.
         self._lock = threading.Condition()
         self._inbox: list[Sequence] = []
@@ -152,24 +165,63 @@ class LLMEngine:
         return self._finish(seq, "cancelled")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self._in_flight is not None
 
     def step(self) -> list[Event]:
         """One iteration: schedule, run one packed forward pass, sample, emit events."""
+        events: list[Event] = []
+        self._step(events.extend)
+        return events
+
+    def _step(self, emit: Callable[[list[Event]], None]) -> None:
+        """One iteration; events go to `emit` as soon as they are known, in order.
+
+        With overlapped steps (EngineConfig.overlap_steps) this step's sampled tokens stay on the device: the
+        next step is scheduled as if every sequence went on, its forward pass reads them from there, and they
+        are read back, streamed and checked for a finish while that pass runs. A sequence found finished then
+        has its row of that pass dropped before sampling.
+        """
         batch, impossible = self.scheduler.schedule()
         events: list[Event] = []
         for seq in impossible:
             events += self._finish(seq, "length")
         if not batch:
-            return events
+            emit(events + self._land())
+            return
         self.steps += 1
         self.last_batch = (batch.num_seqs, batch.num_tokens)
+        flight = self._in_flight
         try:
-            logits = self.runner.run(batch)
+            logits = self.runner.run(batch, flight.readback.tokens if flight else None)
         except Exception:
             log.exception("forward pass failed; running its requests one at a time")
-            return events + self._run_one_by_one(batch)
-        return events + self._advance(batch, logits)
+            emit(events + self._land())
+            emit(self._run_one_by_one(batch))
+            return
+        sampling = self._computed(batch)
+        emit(events + self._land())   # the last step's tokens, read while this pass runs on the device
+        self._register(batch)
+        if any(seq.finished for seq in sampling):
+            rows = [i for i, seq in enumerate(sampling) if not seq.finished]
+            sampling = [sampling[i] for i in rows]
+            logits = logits[upload(rows, torch.long, logits.device)]
+        if sampling:
+            emit(self._sample(sampling, logits, defer=self.config.overlap_steps))
+
+    def _land(self) -> list[Event]:
+        """Read back the tokens of the step in flight, if any, and append them: stream, stop, finish."""
+        flight, self._in_flight = self._in_flight, None
+        if flight is None:
+            return []
+        seqs, tokens = [], []
+        for seq, token in zip(flight.seqs, flight.readback.tolist()):
+            if seq.pending is None:   # finished meanwhile (cancelled, say): the token is dropped
+                continue
+            seq.token_ids.pop()
+            seq.pending = None
+            seqs.append(seq)
+            tokens.append(token)
+        return self._append_tokens(seqs, tokens)
 
     def _run_one_by_one(self, batch: Batch) -> list[Event]:
         """Find the request that breaks a forward pass: it fails, every other request goes on.
@@ -177,7 +229,8 @@ class LLMEngine:
         Nothing advanced in the failed pass, so rerunning a sequence rewrites the same KV slots.
         """
         events: list[Event] = []
-        parts = [Batch(decodes=[seq]) for seq in batch.decodes] + [Batch(prefills=[p]) for p in batch.prefills]
+        parts = ([Batch(decodes=[seq]) for seq in batch.decodes if not seq.finished]
+                 + [Batch(prefills=[p]) for p in batch.prefills if not p[0].finished])
         for part in parts:
             try:
                 logits = self.runner.run(part)
@@ -188,6 +241,12 @@ class LLMEngine:
         return events
 
     def _advance(self, batch: Batch, logits) -> list[Event]:
+        sampling = self._computed(batch)
+        self._register(batch)
+        return self._sample(sampling, logits, defer=False) if sampling else []
+
+    def _computed(self, batch: Batch) -> list[Sequence]:
+        """Count the tokens the step's pass computed; return the sequences that sample from its logits."""
         sampling = list(batch.decodes)
         for seq, n in batch.prefills:
             seq.num_computed_tokens += n
@@ -196,18 +255,31 @@ class LLMEngine:
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
         for seq in batch.decodes + [s for s, _ in batch.prefills]:
-            self.blocks.register_full_blocks(seq)
             seq.batch_size_sum += batch.num_seqs
             seq.steps += 1
-        if not sampling:
-            return []
+        return sampling
+
+    def _register(self, batch: Batch) -> None:
+        """Offer the blocks the step filled to the prefix cache (their token ids must all be known by now)."""
+        for seq in batch.decodes + [s for s, _ in batch.prefills]:
+            if not seq.finished:
+                self.blocks.register_full_blocks(seq)
+
+    def _sample(self, sampling: list[Sequence], logits, defer: bool) -> list[Event]:
+        """Pick each sequence's next token; `defer` leaves the tokens on the device, in flight, for now."""
         try:
             tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                                  [s.seed for s in sampling]).tolist()
+                                  [s.seed for s in sampling])
         except Exception:
             log.exception("sampling failed; sampling each request alone")
             return self._sample_one_by_one(sampling, logits)
-        return self._append_tokens(sampling, tokens)
+        if not defer:
+            return self._append_tokens(sampling, tokens.tolist())
+        self._in_flight = InFlight(sampling, Readback(tokens))
+        for row, seq in enumerate(sampling):
+            seq.token_ids.append(PENDING)
+            seq.pending = row
+        return []
 
     def _sample_one_by_one(self, sampling: list[Sequence], logits) -> list[Event]:
         events, ok, tokens = [], [], []
@@ -249,6 +321,9 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> list[Event]:
         if seq.finished:
             return []
+        if seq.pending is not None:   # its last token was never read back: it is not part of the answer
+            seq.token_ids.pop()
+            seq.pending = None
         self.scheduler.remove(seq)
         self.seqs.pop(seq.request_id, None)
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
@@ -349,7 +424,7 @@ class LLMEngine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopping or self._inbox or self._aborts or self.scheduler.has_work()):
+                while not (self._stopping or self._inbox or self._aborts or self.has_unfinished()):
                     self._lock.wait()
                 if self._stopping:
                     break
@@ -360,8 +435,8 @@ class LLMEngine:
                 self._enqueue(seq)
             for request_id in aborts:
                 events += self.abort_request(request_id)
-            events += self.step()
             self._dispatch(events)
+            self._step(self._dispatch)
         # Nobody waits forever on a stopped engine: fail what is queued, running or not yet drained.
         with self._lock:
             pending, self._inbox = self._inbox, []
@@ -371,6 +446,8 @@ class LLMEngine:
         self._dispatch(events)
 
     def _dispatch(self, events: list[Event]) -> None:
+        if not events:
+            return
         shared: dict[int, tuple[queue.Queue[list[Event]], list[Event]]] = {}
         with self._lock:
             for event in events:

@@ -25,6 +25,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from .transfer import Staging
+
 Q_TILE = 128          # queries per BlockMask row tile in the prefill form
 GPU_MIN_BLOCK = 16    # Triton's matrix tiles are at least 16 wide: a KV block is one tile or more
 _compiled = None
@@ -112,6 +114,7 @@ class PagedTables:
         pin = device.type == "cuda"
         self.host_counts = torch.zeros(3, rows, dtype=torch.int32, pin_memory=pin)
         self.host_tables = torch.zeros(rows * width, dtype=torch.int32, pin_memory=pin)
+        self.staging = Staging(device)
         self.logical: torch.Tensor | None = None   # prefill chunks' block maps, made on first use
         self._masks: dict[int, object] = {}
 
@@ -133,6 +136,7 @@ class PagedTables:
         full = [(c - 1) // bs for c in contexts]
         last = [t[f] for t, f in zip(tables, full)]
         limit = [blk * bs + c - f * bs for blk, c, f in zip(last, contexts, full)]
+        self.staging.wait()
         host = self.host_counts[:, :rows]
         host.copy_(torch.tensor([full + [0] * pad, last + [scratch] * pad, limit + [scratch * bs + 1] * pad],
                                 dtype=torch.int32))
@@ -148,6 +152,7 @@ class PagedTables:
             array.fill(scratch)
             array[np.arange(w)[None, :] < counts[:, None]] = ids   # row-major: each row's ids in order
             self.tables[:rows, :w].copy_(staged, non_blocking=True)
+        self.staging.record()
 
     def prefill_mask(self, spans):
         """BlockMask for prefill chunks packed as one query sequence (`group` queries per row); spans are

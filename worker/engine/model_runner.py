@@ -13,6 +13,7 @@ from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
 from .device import DecodeGraphs
 from .scheduler import Batch
+from .transfer import upload
 
 log = logging.getLogger(__name__)
 
@@ -101,8 +102,9 @@ class ModelRunner:
         return None
 
     def describe_steps(self) -> str:
-        """How steps run: the attention backend, and decode graphs (captured, buckets only, or none)."""
-        line = f"attention {self.attention_backend}"
+        """How steps run: the attention backend, overlapped or not, and decode graphs (captured, buckets only,
+        or none)."""
+        line = f"attention {self.attention_backend}" + ("; steps overlapped" if self.config.overlap_steps else "")
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"
@@ -118,14 +120,18 @@ class ModelRunner:
         self.model.set_attn_implementation(self.original_attn)
 
     @torch.inference_mode()
-    def run(self, batch: Batch) -> torch.Tensor:
-        """Forward the packed batch; logits [rows, vocab] for decodes and prefills that finish this step."""
+    def run(self, batch: Batch, pending: torch.Tensor | None = None) -> torch.Tensor:
+        """Forward the packed batch; logits [rows, vocab] for decodes and prefills that finish this step.
+
+        pending: the previous step's sampled tokens while they are still on their way to the host; a sequence
+        whose last token is one of them (`Sequence.pending`) reads it from there."""
         bs = self.config.block_size
         graphs = self.decode_graphs
         if (graphs is not None and not batch.prefills
                 and graphs.fits(len(batch.decodes), max(seq.num_tokens for seq in batch.decodes))):
-            return self._run_static(batch)
+            return self._run_static(batch, pending)
         ids, positions, slots, keep, spans = [], [], [], [], []
+        fixes = [(row, seq.pending) for row, seq in enumerate(batch.decodes) if seq.pending is not None]
         for seq in batch.decodes:
             pos = seq.num_tokens - 1
             table = seq.block_table
@@ -151,9 +157,12 @@ class ModelRunner:
                                       self.paged)
         attention.set_context(ctx)
         try:
-            input_ids = torch.tensor([ids], device=self.device)
-            position_ids = torch.tensor([positions], device=self.device)
-            keep_t = torch.tensor(keep, dtype=torch.long, device=self.device)
+            input_ids = upload([ids], torch.long, self.device)
+            position_ids = upload([positions], torch.long, self.device)
+            keep_t = upload(keep, torch.long, self.device)
+            if fixes:
+                index = upload(list(zip(*fixes)), torch.long, self.device)
+                input_ids[0, index[0]] = pending[index[1]]
             if self.takes_logits_to_keep:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                  logits_to_keep=keep_t)
@@ -162,10 +171,11 @@ class ModelRunner:
         finally:
             attention.set_context(None)
 
-    def _run_static(self, batch: Batch) -> torch.Tensor:
+    def _run_static(self, batch: Batch, pending: torch.Tensor | None) -> torch.Tensor:
         bs = self.config.block_size
         seqs = batch.decodes
         positions = [seq.num_tokens - 1 for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
+        fixes = [(row, seq.pending) for row, seq in enumerate(seqs) if seq.pending is not None]
         return self.decode_graphs.run([seq.token_ids[-1] for seq in seqs], positions, slots,
-                                      [seq.block_table for seq in seqs])
+                                      [seq.block_table for seq in seqs], pending, fixes)

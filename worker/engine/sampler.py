@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 from worker.engine.sampling_params import SamplingParams
+from worker.engine.transfer import upload
 
 # On CPU the top-k/top-p cut-off is looked for among this many best tokens first (a partial sort); rows whose
 # cut-off lies further down fall back to a full sort. Elsewhere a full sort by default, which needs no host read
@@ -21,14 +22,6 @@ _M32 = 0xFFFFFFFF
 def random_seed() -> int:
     """A seed for a request that brought none: its draws are then still random, and still batch-independent."""
     return secrets.randbits(63)
-
-
-def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list as a device tensor; on CUDA through pinned memory, so the copy does not wait for the stream."""
-    tensor = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 # ---- counter-based randomness: one uniform per (seed, position), the same in any batch ------------------------

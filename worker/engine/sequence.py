@@ -9,6 +9,9 @@ from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 
+PENDING = -1   # the id in token_ids of a token sampled on the device and not yet read back
+
+
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -36,6 +39,9 @@ class Sequence:
     num_preemptions: int = 0
     batch_size_sum: int = 0                              # for the mean batch size this request shared
     steps: int = 0
+    # With overlapped steps, a sampled token still on the device: the last token id is then PENDING and
+    # this is its row among the step's sampled tokens.
+    pending: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -77,6 +77,10 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     assert (WorkerSettings().attention_backend, WorkerSettings().enforce_eager) == ("gather", True)
     monkeypatch.setenv("ENFORCE_EAGER", "0")
     assert WorkerSettings().enforce_eager is None   # the device's default, not the CPU's static-buffer mode
+    monkeypatch.delenv("OVERLAP_STEPS", raising=False)
+    assert WorkerSettings().overlap_steps is False
+    monkeypatch.setenv("OVERLAP_STEPS", "1")
+    assert WorkerSettings().overlap_steps is True
     monkeypatch.delenv("DECODE_ATTENTION", raising=False)
     assert WorkerSettings().decode_attention is None
     monkeypatch.setenv("DECODE_ATTENTION", "gather")
@@ -92,6 +96,7 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     ("GPU_MEMORY_UTILIZATION", "most", "GPU_MEMORY_UTILIZATION must be a number; got 'most'"),
     ("MAX_NUM_SEQS", "lots", "MAX_NUM_SEQS must be an integer; got 'lots'"),
     ("ENFORCE_EAGER", "maybe", "ENFORCE_EAGER must be 1 or 0"),
+    ("OVERLAP_STEPS", "sometimes", "OVERLAP_STEPS must be 1 or 0"),
 ])
 def test_a_malformed_worker_setting_names_itself_and_its_value(monkeypatch, name, value, says):
     monkeypatch.setenv(name, value)

@@ -456,7 +456,8 @@ def describe(info: dict) -> str:
             f"torch={torch.__version__} transformers={transformers.__version__} "
             f"threads={torch.get_num_threads()} python={platform.python_version()}"
             + (f" decode={info['decode']}" if info.get("decode") else "")
-            + (f" sampler_candidates={info['sampler_candidates']}" if "sampler_candidates" in info else ""))
+            + (f" sampler_candidates={info['sampler_candidates']}" if "sampler_candidates" in info else "")
+            + (f" overlap={info['overlap']}" if "overlap" in info else ""))
 
 
 def plot_methods(path: Path, methods: dict[str, dict], runs: dict[str, Run]) -> None:
@@ -563,6 +564,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sampler-candidates", type=int, default=None, metavar="N",
                         help="the engine's top-k/top-p cut-off searched among the N best tokens first, 0 for a full "
                              "sort (default: 256 on CPU, a full sort elsewhere)")
+    parser.add_argument("--overlap", choices=("on", "off"), default=None,
+                        help="the engine's overlapped steps (EngineConfig.overlap_steps): the next step runs "
+                             "while this one's tokens are read back (default: off)")
     parser.add_argument("--ablate", action="store_true",
                         help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -627,6 +631,9 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     options = dict(DECODE_CHOICES[args.decode]) if args.decode else {}
     if args.sampler_candidates is not None:
         options["sampler_candidates"] = info["sampler_candidates"] = args.sampler_candidates
+    if args.overlap is not None:
+        options["overlap_steps"] = args.overlap == "on"
+        info["overlap"] = args.overlap
     setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
                   ignore_eos=nano, engine_options=options)
     if args.decode:

@@ -4,7 +4,7 @@
 # Here: `make gpu-kit` puts the pinned pure-Python and abi3 wheels, and the default model's tokenizer, in
 # .gpu-kit/ (about 25 MB). There, from a copy of this repository with .gpu-kit beside it:
 #
-#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | backend | all
+#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | backend | overlap | all
 #
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results).
 set -eu
@@ -35,11 +35,13 @@ bench() {   # bench NAME ARGS...: one run, its log and JSON kept
 }
 
 case $part in
-check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions
+check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions, overlapped
     for d in flex gather; do
         bench "check-$d" --random-weights smollm2-135m --dtype float32 --limit 16 --decode "$d" \
             --skip static,transformers_cb,engine_best
-    done ;;
+    done
+    bench check-overlap --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex --overlap on \
+        --skip static,transformers_cb,engine_best ;;
 esac
 case $part in
 steps|all)   # decode step wall time against GPU busy time, 16 / 64 / 256 sequences
@@ -60,6 +62,14 @@ esac
 case $part in
 nano|all)    # target: >= 15,000 tok/s on nano-vllm's shape with Qwen3-0.6B
     bench nano --workload nano --random-weights qwen3-0.6b --slots 256 --skip static,reference ;;
+esac
+case $part in
+overlap|all) # each step's tokens read back while the next step runs, against reading them back at once
+    for o in off on; do
+        bench "overlap-$o" --workload nano --random-weights qwen3-0.6b --slots 256 --overlap "$o" \
+            --skip static,reference,transformers_cb,engine_best
+    done
+    bench overlap-steps --workload nano --random-weights qwen3-0.6b --step-profile 64,256 --overlap on ;;
 esac
 case $part in
 backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every chunk, against SDPA per chunk

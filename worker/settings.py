@@ -59,6 +59,8 @@ class WorkerSettings:
     # Decode steps through static buffers (CUDA graphs): "flex" reads the KV pool in place, "gather" copies
     # each context out. Unset: "flex", else "gather" when flex does not compile or capture.
     decode_attention: str | None = field(default_factory=lambda: os.environ.get("DECODE_ATTENTION") or None)
+    # "1": each step's tokens are read back while the next step runs (EngineConfig.overlap_steps). Unset: off.
+    overlap_steps: bool = field(default_factory=lambda: bool(_switch("OVERLAP_STEPS")))
     gpu_memory_utilization: float = field(default_factory=lambda: _float("GPU_MEMORY_UTILIZATION", 0.9))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
     shutdown_grace_s: float = field(default_factory=lambda: _float("SHUTDOWN_GRACE_S", 15))

@@ -265,6 +265,22 @@ def test_prefix_cache_serves_the_shared_system_prompt(tiny, ref_model):
     assert results["2"].token_ids == reference(ref_model, second, 5)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_the_next_turn_reuses_the_blocks_the_last_answer_filled(tiny, ref_model, overlap):
+    """A conversation's next prompt holds the last answer: the blocks its decode steps filled are shared too."""
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=2, block_size=4, num_blocks=128, overlap_steps=overlap))
+    first = chat_ids(tok, QUESTIONS[0])
+    engine.add_request("1", prompt_token_ids=first, params=greedy(21, ignore_eos=True))
+    answer = run_all(engine)[0]["1"].token_ids
+    follow_up = first + answer + chat_ids(tok, "And when will it arrive?", system=None)
+    engine.add_request("2", prompt_token_ids=follow_up, params=greedy(5))
+    results, _ = run_all(engine)
+    # Every block the first request filled, whose last (21st) token was sampled but never computed.
+    assert results["2"].cached_tokens == (len(first) + 20) // 4 * 4
+    assert results["2"].token_ids == reference(ref_model, follow_up, 5)
+
+
 def test_identical_prompt_never_skips_its_last_token(tiny, ref_model):
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(block_size=4, num_blocks=64))
@@ -408,11 +424,14 @@ def test_overlapped_steps_give_the_same_answers_and_stream(tiny_model_dir):
         return ({rid: (r.token_ids, r.text, r.finish_reason) for rid, r in results.items()},
                 {rid: "".join(d) for rid, d in deltas.items()})
 
-    want = answers(engine(False))
-    assert want[0]["2"][2] == "stop" and want[0]["2"][1] == full[:full.index(stop)]
-    for overlapped in (engine(True), engine(True, eager=False)):
-        assert answers(overlapped) == want
-        assert overlapped.stats().kv_blocks_used == 0 and not overlapped.has_unfinished()
+    for penalties in (True, False):   # a penalised row makes a step read back before it draws; none, after
+        if not penalties:
+            params = {rid: SamplingParams(**{**p.__dict__, "repetition_penalty": 1.0}) for rid, p in params.items()}
+        want = answers(engine(False))
+        assert want[0]["2"][2] == "stop" and want[0]["2"][1] == full[:full.index(stop)]
+        for overlapped in (engine(True), engine(True, eager=False)):
+            assert answers(overlapped) == want
+            assert overlapped.stats().kv_blocks_used == 0 and not overlapped.has_unfinished()
 
 
 def test_an_overlapped_request_cancelled_in_flight_keeps_only_tokens_read_back(tiny):

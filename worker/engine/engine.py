@@ -179,7 +179,9 @@ class LLMEngine:
         With overlapped steps (EngineConfig.overlap_steps) this step's sampled tokens stay on the device: the
         next step is scheduled as if every sequence went on, its forward pass reads them from there, and they
         are read back, streamed and checked for a finish while that pass runs. A sequence found finished then
-        has its row of that pass dropped before sampling.
+        loses its row of that pass. Unless a row needs its token history (a repetition penalty), the pass's
+        tokens are drawn before the last step's are read back, so the device has the draw queued behind the
+        pass and the host's reading, scheduling and building of the next step all happen while it works.
         """
         batch, impossible = self.scheduler.schedule()
         events: list[Event] = []
@@ -199,14 +201,38 @@ class LLMEngine:
             emit(self._run_one_by_one(batch))
             return
         sampling = self._computed(batch)
+        drawn = self._draw_ahead(sampling, logits) if self.config.overlap_steps else None
         emit(events + self._land())   # the last step's tokens, read while this pass runs on the device
         self._register(batch)
+        if drawn is not None:
+            self._take_off(sampling, drawn)
+            return
         if any(seq.finished for seq in sampling):
             rows = [i for i, seq in enumerate(sampling) if not seq.finished]
             sampling = [sampling[i] for i in rows]
             logits = logits[upload(rows, torch.long, logits.device)]
         if sampling:
             emit(self._sample(sampling, logits, defer=self.config.overlap_steps))
+
+    def _draw_ahead(self, sampling: list[Sequence], logits) -> Readback | None:
+        """The step's tokens drawn before the last step's are read back, when no row needs its history (the
+        others' positions are right: a pending token holds its place); None: sample after reading back."""
+        if not sampling or any(seq.params.repetition_penalty != 1.0 for seq in sampling):
+            return None
+        try:
+            tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
+                                  [s.seed for s in sampling])
+        except Exception:   # sampled again after reading back, where a failure is isolated to its request
+            return None
+        return Readback(tokens)
+
+    def _take_off(self, sampling: list[Sequence], readback: Readback) -> None:
+        """Leave the step's tokens in flight: each sequence that goes on gets a placeholder for its token."""
+        self._in_flight = InFlight(sampling, readback)
+        for row, seq in enumerate(sampling):
+            if not seq.finished:   # finished while its row ran: that token is dropped
+                seq.token_ids.append(PENDING)
+                seq.pending = row
 
     def _land(self) -> list[Event]:
         """Read back the tokens of the step in flight, if any, and append them: stream, stop, finish."""
@@ -260,8 +286,14 @@ class LLMEngine:
         return sampling
 
     def _register(self, batch: Batch) -> None:
-        """Offer the blocks the step filled to the prefix cache (their token ids must all be known by now)."""
-        for seq in batch.decodes + [s for s, _ in batch.prefills]:
+        """Offer the blocks the step filled to the prefix cache (their token ids must all be known by now).
+
+        A decode fills a block only every block_size tokens: the others are skipped without a call."""
+        bs = self.config.block_size
+        for seq in batch.decodes:
+            if seq.num_computed_tokens % bs == 0 and not seq.finished:
+                self.blocks.register_full_blocks(seq)
+        for seq, _ in batch.prefills:
             if not seq.finished:
                 self.blocks.register_full_blocks(seq)
 
@@ -275,10 +307,7 @@ class LLMEngine:
             return self._sample_one_by_one(sampling, logits)
         if not defer:
             return self._append_tokens(sampling, tokens.tolist())
-        self._in_flight = InFlight(sampling, Readback(tokens))
-        for row, seq in enumerate(sampling):
-            seq.token_ids.append(PENDING)
-            seq.pending = row
+        self._take_off(sampling, Readback(tokens))
         return []
 
     def _sample_one_by_one(self, sampling: list[Sequence], logits) -> list[Event]:

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernel, flex
+from .transfer import upload
 
 ATTN_NAME = "engine_paged"
 BACKENDS = ("kernel", "gather", "flex")
@@ -114,7 +115,7 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
                   block_size: int, paged: flex.PagedTables | None = None) -> StepContext:
     """`paged`: the flex backend's device buffers for block tables (ModelRunner keeps them)."""
     device = kv.device
-    ctx = StepContext(kv=kv, slots=torch.tensor(slots, device=device), backend=backend, num_decodes=num_decodes)
+    ctx = StepContext(kv=kv, slots=upload(slots, torch.long, device), backend=backend, num_decodes=num_decodes)
     if backend == "flex":
         if num_decodes:
             decodes = spans[:num_decodes]
@@ -141,12 +142,12 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
     decodes = spans[:num_decodes]
     if decodes:
         width = max(-(-s.context // block_size) for s in decodes)
-        ctx.decode_blocks = torch.tensor(padded_tables([s.table for s in decodes], width), device=device)
-        lengths = torch.tensor([s.context for s in decodes], device=device)
+        ctx.decode_blocks = upload(padded_tables([s.table for s in decodes], width), torch.long, device)
+        lengths = upload([s.context for s in decodes], torch.long, device)
         mask = torch.arange(width * block_size, device=device)[None, :] < lengths[:, None]
         ctx.decode_mask = mask[None, :, None, :]
     for s in spans[num_decodes:]:
-        blocks = torch.tensor(s.table[:-(-s.context // block_size)], device=device)
+        blocks = upload(s.table[:-(-s.context // block_size)], torch.long, device)
         ctx.prefills.append(PrefillChunk(s.start, s.length, s.context, blocks))
     return ctx
 

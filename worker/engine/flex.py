@@ -25,7 +25,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-from .transfer import Staging
+from .transfer import Staging, upload
 
 Q_TILE = 128          # queries per BlockMask row tile in the prefill form
 GPU_MIN_BLOCK = 16    # Triton's matrix tiles are at least 16 wide: a KV block is one tile or more
@@ -177,8 +177,8 @@ class PagedTables:
         # columns filled from the host.
         width = max(map(len, lists))
         indices = torch.zeros(tiles, self.pool_blocks, dtype=torch.int32, device=device)
-        indices[:, :width] = torch.tensor([sorted(b) + [0] * (width - len(b)) for b in lists], dtype=torch.int32)
-        counts = torch.tensor([len(b) for b in lists], dtype=torch.int32)
+        indices[:, :width] = upload([sorted(b) + [0] * (width - len(b)) for b in lists], torch.int32, device)
+        counts = upload([len(b) for b in lists], torch.int32, device)
         # Each chunk's physical-to-logical block map: [rows, pool blocks], made on first use (only this
         # backend's prefill needs it). Its shape never varies: torch 2.13's CPU code generator does not
         # compile a mask that reads a buffer of varying shape, nor (same error) one that looks up a block's
@@ -187,17 +187,17 @@ class PagedTables:
             self.logical = torch.full((self.tables.shape[0], self.pool_blocks), -1, dtype=torch.int32, device=device)
         logical = self.logical
         logical[:len(spans)].fill_(-1)
-        index = torch.tensor([seq_ids, blocks], device=device)
-        logical.index_put_((index[0], index[1]), torch.tensor(positions, dtype=torch.int32, device=device))
-        row_seq_t = torch.tensor(row_seq, dtype=torch.int32, device=device)
-        row_pos_t = torch.tensor(row_pos, dtype=torch.int32, device=device)
+        index = upload([seq_ids, blocks], torch.long, device)
+        logical.index_put_((index[0], index[1]), upload(positions, torch.int32, device))
+        row_seq_t = upload(row_seq, torch.int32, device)
+        row_pos_t = upload(row_pos, torch.int32, device)
 
         def mask_mod(b, h, q_idx, kv_idx):
             row = q_idx // group
             block = logical[row_seq_t[row], kv_idx // bs]
             return (block >= 0) & (block * bs + kv_idx % bs <= row_pos_t[row])
 
-        return _block_mask(counts.to(device)[None, None], indices[None, None], None, None, bs, mask_mod,
+        return _block_mask(counts[None, None], indices[None, None], None, None, bs, mask_mod,
                            (queries, self.pool_blocks * bs))
 
 

@@ -620,6 +620,38 @@ def test_launch_raises_what_the_build_raised():
         LLMEngine.launch(build)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_step_that_fails_outside_any_request_ends_its_requests_and_the_engine_goes_on(tiny, overlap, monkeypatch,
+                                                                                        caplog):
+    """A device fault, say, surfacing where no single request can be blamed: the requests it held end with an
+    error instead of waiting forever, and the next requests are served."""
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64, overlap_steps=overlap))
+    schedule, steps = engine.scheduler.schedule, []
+
+    def schedule_failing_once():
+        steps.append(1)
+        if len(steps) == 4:
+            raise RuntimeError("forced device fault")
+        return schedule()
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_failing_once)
+    engine.start()
+    try:
+        streams = [engine.submit(f"r{i}", prompt_token_ids=chat_ids(tok, QUESTIONS[i]), params=greedy(30))
+                   for i in range(2)]
+        finals = [list(stream)[-1] for stream in streams]
+        assert [f.finish_reason for f in finals] == ["error", "error"]
+        assert "forced device fault" in finals[0].error and "retry" in finals[0].error
+        assert all(t >= 0 for f in finals for t in f.token_ids)
+        after = list(engine.submit("next", prompt_token_ids=chat_ids(tok, QUESTIONS[2]), params=greedy(5)))[-1]
+        assert after.finish_reason == "length" and after.completion_tokens == 5
+        assert engine.stats().kv_blocks_used == 0
+    finally:
+        engine.shutdown()
+    assert any("engine step failed" in r.getMessage() for r in caplog.records)
+    caplog.clear()   # logged, as it should be: not a silent fallback
+
+
 def test_shutdown_ends_open_streams_with_an_error(tiny):
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=1, num_blocks=64))

@@ -465,14 +465,23 @@ class LLMEngine:
             for request_id in aborts:
                 events += self.abort_request(request_id)
             self._dispatch(events)
-            self._step(self._dispatch)
+            try:
+                self._step(self._dispatch)
+            except Exception as exc:   # a fault outside any one request's (say the device's): none may hang
+                log.exception("engine step failed; ending every request it held")
+                self._dispatch(self._fail_all(f"The engine failed ({type(exc).__name__}: {exc}); retry."))
         # Nobody waits forever on a stopped engine: fail what is queued, running or not yet drained.
         with self._lock:
             pending, self._inbox = self._inbox, []
-        events = []
-        for seq in list(self.seqs.values()) + pending:
-            events += self._finish(seq, "error", error="The engine shut down before the answer finished; retry.")
-        self._dispatch(events)
+        self._dispatch(self._fail_all("The engine shut down before the answer finished; retry.", pending))
+
+    def _fail_all(self, error: str, more: list[Sequence] = ()) -> list[Event]:
+        """End every request the engine holds (and `more`) with an error; the tokens in flight are dropped."""
+        self._in_flight = None
+        events: list[Event] = []
+        for seq in list(self.seqs.values()) + list(more):
+            events += self._finish(seq, "error", error=error)
+        return events
 
     def _dispatch(self, events: list[Event]) -> None:
         if not events:

@@ -424,7 +424,7 @@ def test_overlapped_steps_give_the_same_answers_and_stream(tiny_model_dir):
         return ({rid: (r.token_ids, r.text, r.finish_reason) for rid, r in results.items()},
                 {rid: "".join(d) for rid, d in deltas.items()})
 
-    for penalties in (True, False):   # a penalised row makes a step read back before it draws; none, after
+    for penalties in (True, False):   # a penalty reads the token still in flight from the device
         if not penalties:
             params = {rid: SamplingParams(**{**p.__dict__, "repetition_penalty": 1.0}) for rid, p in params.items()}
         want = answers(engine(False))

@@ -15,8 +15,9 @@ from transformers.generation.logits_process import (
 )
 
 from worker.engine import sampler as sampler_module
-from worker.engine.sampler import (CPU_CANDIDATES, Sampler, apply_processors, mix32, random_seed, seed_keys,
-                                   uniforms)
+from worker.engine.sampler import (CPU_CANDIDATES, Pending, Sampler, apply_processors, mix32, random_seed,
+                                   seed_keys, uniforms)
+from worker.engine.sequence import PENDING
 from worker.engine.sampling_params import InvalidParamsError, SamplingParams
 
 VOCAB = 64
@@ -373,6 +374,39 @@ def test_penalty_history_follows_rows_that_join_leave_and_move() -> None:
             assert int(out[i]) == int(want.argmax()), (step, r)
             histories[r].append(int(out[i]))
     assert sampler.history.ids.shape[1] >= len(histories[1])
+
+
+def test_penalty_reads_a_last_token_still_on_the_device() -> None:
+    """Overlapped steps draw before the last step's tokens are read back: each history's last id is then a
+    placeholder whose token sits in the last step's output. The penalty must see it as if it were known."""
+    vocab = 50
+    sampler = Sampler()
+    g = torch.Generator().manual_seed(5)
+    real = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (3, 9, 1, 30)]
+    hosted = [list(h) for h in real]   # what the engine holds: placeholders until a step is read back
+    params = [SamplingParams(temperature=0, repetition_penalty=p) for p in (1.5, 0.5, 2.0, 3.0)]
+    batches = [[0, 1, 2, 3], [0, 1, 2, 3], [3, 1], [2, 0, 3], [1, 2, 3, 0], [1]]
+    last, last_rows = None, []
+    for step, rows in enumerate(batches):
+        logits = random_logits(len(rows), vocab=vocab, seed=step)
+        for i, r in enumerate(rows):   # the last token would win unpenalised: a missed penalty shows
+            others = logits[i].clone()
+            others[real[r][-1]] = float("-inf")
+            logits[i, real[r][-1]] = others.max().abs() * 1.2
+        pending = None
+        if last is not None:
+            where = {r: i for i, r in enumerate(last_rows)}
+            pending = Pending(last, [where.get(r) for r in rows])
+        out = sampler(logits, [params[r] for r in rows], [hosted[r] for r in rows], rows, pending)
+        for r in last_rows:   # the last step's tokens read back, after this step drew
+            hosted[r][-1] = real[r][-1]
+        for i, r in enumerate(rows):
+            want = hf_row([RepetitionPenaltyLogitsProcessor(params[r].repetition_penalty)], real[r], logits[i])
+            assert int(out[i]) == int(want.argmax()), (step, r)
+            real[r].append(int(out[i]))
+            hosted[r].append(PENDING)
+        last, last_rows = out, rows
+    assert PENDING in hosted[1]
 
 
 def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:

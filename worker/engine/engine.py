@@ -16,7 +16,7 @@ from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
 from .outputs import EngineStats, Event, RequestFinished, TokenDelta
-from .sampler import Sampler, random_seed
+from .sampler import Pending, Sampler, random_seed
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler
 from .sequence import PENDING, Sequence, Status
@@ -179,9 +179,9 @@ class LLMEngine:
         With overlapped steps (EngineConfig.overlap_steps) this step's sampled tokens stay on the device: the
         next step is scheduled as if every sequence went on, its forward pass reads them from there, and they
         are read back, streamed and checked for a finish while that pass runs. A sequence found finished then
-        loses its row of that pass. Unless a row needs its token history (a repetition penalty), the pass's
-        tokens are drawn before the last step's are read back, so the device has the draw queued behind the
-        pass and the host's reading, scheduling and building of the next step all happen while it works.
+        loses its row of that pass. The pass's tokens are drawn before the last step's are read back, so the
+        device has the draw queued behind the pass, and the host's reading, scheduling and building of the
+        next step all happen while it works.
         """
         batch, impossible = self.scheduler.schedule()
         events: list[Event] = []
@@ -215,14 +215,18 @@ class LLMEngine:
             emit(self._sample(sampling, logits, defer=self.config.overlap_steps))
 
     def _draw_ahead(self, sampling: list[Sequence], logits) -> Readback | None:
-        """The step's tokens drawn before the last step's are read back, when no row needs its history (the
-        others' positions are right: a pending token holds its place); None: sample after reading back."""
-        if not sampling or any(seq.params.repetition_penalty != 1.0 for seq in sampling):
+        """The step's tokens, drawn before the last step's are read back: a pending token holds its place in
+        its sequence and, for a repetition penalty, is read on the device. None: a failure, sampled again
+        after reading back, where it is isolated to its request."""
+        if not sampling:
             return None
+        flight = self._in_flight
+        pending = Pending(flight.readback.tokens, [s.pending for s in sampling]) if flight else None
         try:
             tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                                  [s.seed for s in sampling])
-        except Exception:   # sampled again after reading back, where a failure is isolated to its request
+                                  [s.seed for s in sampling], pending)
+        except Exception:
+            log.exception("drawing the step's tokens ahead failed; drawing them after reading back")
             return None
         return Readback(tokens)
 

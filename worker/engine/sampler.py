@@ -119,6 +119,15 @@ class RowParams:
         return replace(self, **picked)
 
 
+@dataclass
+class Pending:
+    """The last step's sampled tokens, still on the device: rows[i] indexes `tokens` for a history whose last id
+    is one of them (a placeholder on the host), else None."""
+
+    tokens: torch.Tensor
+    rows: Sequence[int | None]
+
+
 class TokenHistory:
     """Each row's history as a padded [rows, width] id tensor on the device, kept across calls.
 
@@ -134,8 +143,10 @@ class TokenHistory:
         self.ids: torch.Tensor | None = None
         self.vocab = 0
 
-    def update(self, histories: Sequence[list[int]], wanted: Sequence[bool], vocab: int,
-               device: torch.device) -> torch.Tensor:
+    def update(self, histories: Sequence[list[int]], wanted: Sequence[bool], vocab: int, device: torch.device,
+               pending: Pending | None = None) -> torch.Tensor:
+        """pending: histories whose last id is still on the device (a placeholder on the host); it is copied
+        there from device to device, and uploaded from the host once it is known."""
         keys = [id(h) for h in histories]
         old = self.ids if self.ids is not None and self.ids.device == device and self.vocab == vocab else None
         if old is not None and keys == self.keys:
@@ -159,26 +170,35 @@ class TokenHistory:
         rows: list[int] = []
         cols: list[int] = []
         tokens: list[int] = []
+        late: list[list[int]] = [[], [], []]   # rows, columns, indices into pending.tokens
         for i, history in enumerate(histories):
+            if not wanted[i]:
+                continue
             n = len(history)
-            if not wanted[i] or n == filled[i]:
+            if pending is not None and pending.rows[i] is not None:
+                n -= 1
+                for part, value in zip(late, (i, n, pending.rows[i])):
+                    part.append(value)
+            if n == filled[i]:
                 continue
             if n < filled[i]:   # not append-only after all: rewrite this row
                 ids[i] = vocab
                 filled[i] = 0
-            tokens.extend(history[filled[i]:])
+            tokens.extend(history[filled[i]:n])
             rows.extend([i] * (n - filled[i]))
             cols.extend(range(filled[i], n))
             filled[i] = n
+        need = max(cols + late[1], default=-1) + 1
+        if need > ids.shape[1]:
+            grown = torch.full((ids.shape[0], max(need, 2 * ids.shape[1])), vocab, dtype=torch.int64, device=device)
+            grown[:, :ids.shape[1]] = ids
+            ids = grown
         if tokens:
-            need = max(cols) + 1
-            if need > ids.shape[1]:
-                grown = torch.full((ids.shape[0], max(need, 2 * ids.shape[1])), vocab, dtype=torch.int64,
-                                   device=device)
-                grown[:, :ids.shape[1]] = ids
-                ids = grown
             index = upload([rows, cols, tokens], torch.int64, device)
             ids[index[0], index[1]] = index[2].clamp(0, vocab)
+        if late[0]:
+            index = upload(late, torch.int64, device)
+            ids[index[0], index[1]] = pending.tokens[index[2]].clamp(0, vocab)
         self.histories, self.keys, self.filled, self.ids, self.vocab = list(histories), keys, filled, ids, vocab
         return ids
 
@@ -193,14 +213,14 @@ def penalise_(padded: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) ->
 
 
 def processed(logits: torch.Tensor, rows: RowParams, history: TokenHistory,
-              histories: Sequence[list[int]]) -> torch.Tensor:
+              histories: Sequence[list[int]], pending: Pending | None = None) -> torch.Tensor:
     """float32 scores after the repetition penalty (a new tensor then, else `logits` itself when float32)."""
     if not rows.any_penalty:
         return logits.float()
     vocab = logits.shape[1]
     padded = torch.empty(logits.shape[0], vocab + 1, dtype=torch.float32, device=logits.device)
     padded[:, :vocab] = logits
-    penalise_(padded, history.update(histories, rows.penalised, vocab, logits.device), rows.penalty)
+    penalise_(padded, history.update(histories, rows.penalised, vocab, logits.device, pending), rows.penalty)
     return padded[:, :vocab]
 
 
@@ -311,7 +331,9 @@ class Sampler:
         return self._rows
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 histories: Sequence[list[int]], seeds: Sequence[int]) -> torch.Tensor:
+                 histories: Sequence[list[int]], seeds: Sequence[int], pending: Pending | None = None) -> torch.Tensor:
+        """pending: histories whose last token is not read back yet (overlapped steps); a history's length is
+        its position whether or not its last id is known."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(histories) == len(seeds):
             raise ValueError("logits must be [B, V] with one params entry, history and seed per row")
         vocab, device = logits.shape[1], logits.device
@@ -319,7 +341,7 @@ class Sampler:
         if rows.all_greedy and not rows.any_penalty:
             return logits.argmax(dim=-1)   # plain greedy decoding: nothing to process
 
-        scores = processed(logits, rows, self.history, histories)
+        scores = processed(logits, rows, self.history, histories, pending)
         greedy_tokens = scores.argmax(dim=-1) if rows.any_greedy else None
         if rows.all_greedy:
             return greedy_tokens

@@ -434,6 +434,55 @@ def test_overlapped_steps_give_the_same_answers_and_stream(tiny_model_dir):
             assert overlapped.stats().kv_blocks_used == 0 and not overlapped.has_unfinished()
 
 
+def test_overlapped_steps_under_a_random_mix_of_requests_arrivals_and_cancels(tiny_model_dir):
+    """Random parameters, arrivals and cancels on a pool small enough to preempt: every request that was not
+    cancelled ends exactly as without overlap, and a cancelled one keeps a prefix of that answer."""
+    import random
+
+    rng = random.Random(7)
+    tok = load_model(str(tiny_model_dir))[1]
+    plans = []
+    for i in range(18):
+        kind = rng.choice(["greedy", "sampled", "penalised"])
+        params = dict(max_new_tokens=rng.randint(3, 28), ignore_eos=rng.random() < 0.5, seed=i)
+        if kind != "greedy":
+            params.update(temperature=rng.choice([0.7, 1.0]), top_p=rng.choice([1.0, 0.9]), top_k=rng.choice([0, 20]))
+        if kind == "penalised":
+            params["repetition_penalty"] = rng.choice([1.2, 0.8])
+        if rng.random() < 0.4:
+            params["stop"] = [rng.choice(["e", "a", "."])]
+        plans.append((str(i), chat_ids(tok, rng.choice(QUESTIONS), rng.choice([SYSTEM, None])),
+                      SamplingParams(**params), rng.randint(0, 20), rng.randint(2, 30) if rng.random() < 0.3 else None))
+
+    def run(overlap: bool) -> dict[str, RequestFinished]:
+        model, tok = load_model(str(tiny_model_dir))
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=5, max_num_batched_tokens=40, block_size=4,
+                                                    num_blocks=36, overlap_steps=overlap))
+        results, step = {}, 0
+        while step <= 60 or engine.has_unfinished():
+            for rid, ids, params, arrive, cancel in plans:
+                if step == arrive:
+                    engine.add_request(rid, prompt_token_ids=ids, params=params)
+                if cancel is not None and step == arrive + cancel:
+                    results.update((e.request_id, e) for e in engine.abort_request(rid)
+                                   if isinstance(e, RequestFinished))
+            drain(engine, results)
+            step += 1
+        assert engine.stats().kv_blocks_used == 0 and engine.stats().preemptions > 0
+        return results
+
+    plain, overlapped = run(False), run(True)
+    assert set(plain) == set(overlapped) == {rid for rid, *_ in plans}
+    assert {"stop", "length", "cancelled"} <= {r.finish_reason for r in plain.values()}   # the mix is a mix
+    for rid in plain:
+        a, b = plain[rid], overlapped[rid]
+        if "cancelled" in (a.finish_reason, b.finish_reason):
+            shorter, longer = sorted((a.token_ids, b.token_ids), key=len)
+            assert longer[:len(shorter)] == shorter, rid
+        else:
+            assert (b.token_ids, b.text, b.finish_reason) == (a.token_ids, a.text, a.finish_reason), rid
+
+
 def test_an_overlapped_request_cancelled_in_flight_keeps_only_tokens_read_back(tiny):
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64, overlap_steps=True))

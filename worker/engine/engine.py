@@ -40,8 +40,9 @@ class InvalidRequestError(ValueError):
 class RequestStream:
     """Events of one request, in order; iterating ends after the final RequestFinished.
 
-    A stream submitted with an `outbox` is not iterated: its events go to that queue instead, one list per
-    step for every request sharing it, so a single consumer can forward a whole step's output at once.
+    A stream submitted with an `outbox` is not iterated: its events go to that queue instead, in lists that hold
+    every request's events known at one point of a step (one or a few lists per step), so a single consumer
+    can forward a step's output at once.
     """
 
     def __init__(self, engine: LLMEngine, request_id: str, outbox: queue.Queue[list[Event]] | None = None) -> None:

@@ -62,7 +62,7 @@ def test_a_worker_announces_its_slots_kv_pool_and_device(stack):
     for beat_ in beats:
         assert beat_["slots"] == int(stack.env["MAX_NUM_SEQS"]) and beat_["device"] == "cpu"
         assert beat_["kv_blocks"] > 0 and beat_["kv_tokens"] == beat_["kv_blocks"] * beat_["kv_block_size"]
-        assert beat_["kv_bytes"] > 0
+        assert beat_["kv_bytes"] > 0 and beat_["step_tokens"] >= beat_["slots"]
         assert beat_["kv_sizing"] == f"{float(stack.env['KV_CACHE_GIB']):g} GiB"   # how the pool got its size
     # The same in the worker's start line, where an operator reads it, with the attention that runs.
     log = stack.workdir / "worker.log"
@@ -72,3 +72,4 @@ def test_a_worker_announces_its_slots_kv_pool_and_device(stack):
     line = next(text for text in log.read_text().splitlines() if "ready with" in text)
     slots, sizing = stack.env["MAX_NUM_SEQS"], f"{float(stack.env['KV_CACHE_GIB']):g} GiB"
     assert f"{slots} slots" in line and f"sized by {sizing}" in line and "; attention " in line, line
+    assert f"{beats[0]['step_tokens']} tokens per step" in line, line

@@ -16,7 +16,7 @@ BLOCK = 2 * 2**20   # bytes per KV block
 
 def test_cpu_defaults_stay_16_slots_and_one_gib():
     sizing = size_engine(EngineConfig(), "cpu", BLOCK)
-    assert sizing.max_num_seqs == 16
+    assert sizing.max_num_seqs == 16 and sizing.max_num_batched_tokens == 512
     assert sizing.num_blocks == int(CPU_KV_CACHE_GIB * GIB) // BLOCK == 512
     assert sizing.kv_source == "kv_cache_memory_gib"
 
@@ -24,7 +24,8 @@ def test_cpu_defaults_stay_16_slots_and_one_gib():
 def test_gpu_defaults_take_256_slots_and_a_share_of_the_memory_left():
     free, model, reserve = 60 * GIB, 2 * GIB, GIB
     sizing = size_engine(EngineConfig(), "cuda", BLOCK, free_bytes=free, model_bytes=model, reserve_bytes=reserve)
-    assert sizing.max_num_seqs == 256
+    # 256 decode rows leave most of a step's 8192 tokens to prompts.
+    assert sizing.max_num_seqs == 256 and sizing.max_num_batched_tokens == 8192
     # 0.9 of the 62 GiB this process could use, less the model already in it and the activation reserve.
     assert sizing.num_blocks == int(0.9 * 62 * GIB - 3 * GIB) // BLOCK
     assert sizing.kv_source == "gpu_memory_utilization"
@@ -38,6 +39,13 @@ def test_explicit_settings_win_on_every_device():
         assert size_engine(EngineConfig(max_num_seqs=8, num_blocks=100), device, BLOCK, free).num_blocks == 100
         fixed = size_engine(EngineConfig(max_num_seqs=8, kv_cache_memory_gib=0.5), device, BLOCK, free)
         assert (fixed.max_num_seqs, fixed.num_blocks, fixed.kv_source) == (8, 256, "kv_cache_memory_gib")
+
+
+def test_the_token_budget_default_never_falls_below_the_slots_asked_for():
+    for device in ("cpu", "cuda"):
+        sizing = size_engine(EngineConfig(max_num_seqs=10_000, num_blocks=100), device, BLOCK)
+        assert (sizing.max_num_seqs, sizing.max_num_batched_tokens) == (10_000, 10_000)
+    assert size_engine(EngineConfig(max_num_batched_tokens=300), "cuda", BLOCK, free_bytes=GIB).max_num_batched_tokens == 300
 
 
 def test_gpu_slots_default_never_exceeds_the_token_budget():
@@ -55,13 +63,16 @@ def test_a_full_gpu_is_refused_with_what_to_change():
 
 
 def test_worker_settings_leave_the_device_defaults_to_the_engine(monkeypatch):
-    for name in ("MAX_NUM_SEQS", "KV_CACHE_GIB", "GPU_MEMORY_UTILIZATION"):
+    for name in ("MAX_NUM_SEQS", "MAX_NUM_BATCHED_TOKENS", "KV_CACHE_GIB", "GPU_MEMORY_UTILIZATION"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("DEVICE", "cpu")
     settings = WorkerSettings()
     assert (settings.max_num_seqs, settings.kv_cache_gib, settings.gpu_memory_utilization) == (None, None, 0.9)
+    assert settings.max_num_batched_tokens is None
     assert expected_slots(settings) == 16
     assert expected_slots(WorkerSettings(device="cuda")) == 256
+    monkeypatch.setenv("MAX_NUM_BATCHED_TOKENS", "100")
+    assert expected_slots(WorkerSettings(device="cuda")) == 100   # never more slots than a step's tokens
     monkeypatch.setenv("MAX_NUM_SEQS", "32")
     monkeypatch.setenv("GPU_MEMORY_UTILIZATION", "0.8")
     settings = WorkerSettings()

@@ -37,7 +37,6 @@ NANO_MAX_TOKEN_ID = 10000
 NANO_TEMPERATURE = 0.6
 METHODS = ("static", "transformers_cb", "engine", "engine_best")
 SKIPPABLE = (*METHODS, "reference")
-ENGINE_BUDGET = 512
 BEST_BUDGET = 1024
 BEST_SLOTS_CAP = 64
 ENGINE_BLOCK_SIZE = 16
@@ -87,6 +86,7 @@ class Setup:
     temperature: float = 0.0      # 0: greedy, checked against sequential generate
     ignore_eos: bool = False      # every request runs to its cap
     engine_options: dict = field(default_factory=dict)   # EngineConfig fields from --decode
+    budget: int = 512             # tokens per step for the engine and transformers CB (--budget)
 
     @property
     def stop_ids(self) -> set[int]:
@@ -328,7 +328,7 @@ def run_transformers_cb(setup: Setup, slots: int, attn: str, ran: dict | None = 
     model.set_attn_implementation(attn)
     cb_config = ContinuousBatchingConfig(
         max_requests_per_batch=slots,
-        max_batch_tokens=ENGINE_BUDGET,
+        max_batch_tokens=setup.budget,
         # Left unset, the cache takes 60 % of free RAM on CPU.
         num_blocks=cb_num_blocks(setup.requests, slots, ContinuousBatchingConfig.page_size),
         # On CUDA: graphs for its steps, and flash attention instead of sdpa where a flash kernel is installed.
@@ -344,7 +344,7 @@ def run_transformers_cb(setup: Setup, slots: int, attn: str, ran: dict | None = 
             graphs = cb_config.use_cuda_graph   # transformers resolves it to (varlen, decode) booleans
             ran.update(attn=model.config._attn_implementation,
                        use_cuda_graph=list(graphs) if isinstance(graphs, tuple) else bool(graphs),
-                       max_requests_per_batch=slots, max_batch_tokens=ENGINE_BUDGET)
+                       max_requests_per_batch=slots, max_batch_tokens=setup.budget)
         manager.start()
         run = collect_cb(manager, setup.requests, -1 if setup.ignore_eos else None)
     finally:
@@ -454,7 +454,7 @@ def describe(info: dict) -> str:
 
     return (f"device={info['device']} dtype={info['dtype']} slots={info['slots']} model={info['model']} "
             f"torch={torch.__version__} transformers={transformers.__version__} "
-            f"threads={torch.get_num_threads()} python={platform.python_version()}"
+            f"threads={torch.get_num_threads()} python={platform.python_version()} budget={info.get('budget')}"
             + (f" decode={info['decode']}" if info.get("decode") else "")
             + (f" sampler_candidates={info['sampler_candidates']}" if "sampler_candidates" in info else "")
             + (f" overlap={info['overlap']}" if "overlap" in info else ""))
@@ -535,6 +535,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=16, help="batch slots N for static, transformers_cb and engine")
     parser.add_argument("--best-slots", type=int, default=None,
                         help=f"engine_best max_num_seqs (default: number of requests, at most {BEST_SLOTS_CAP})")
+    parser.add_argument("--budget", type=int, default=None,
+                        help="tokens per step for the engine and transformers CB alike (default: the engine's "
+                             "device default, 512 on CPU and 8192 on CUDA)")
     parser.add_argument("--best-budget", type=int, default=BEST_BUDGET, help="engine_best max_num_batched_tokens")
     parser.add_argument("--cb-attn", choices=CB_ATTN_CHOICES, default=DEFAULT_CB_ATTN,
                         help="attention for transformers_cb (sdpa was faster than paged|eager on CPU)")
@@ -591,7 +594,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"--requests and --nano-lengths apply to --workload {NANO}; use --limit for a workload file")
     if args.sweep_slots and args.step_profile:
         parser.error("--sweep-slots and --step-profile are separate runs; give one")
-    for name in ("slots", "best_slots", "best_budget", "limit", "requests", "profile_steps"):
+    for name in ("slots", "budget", "best_slots", "best_budget", "limit", "requests", "profile_steps"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -607,6 +610,15 @@ def check_engine_importable() -> None:
         from worker.engine import EngineConfig, LLMEngine, SamplingParams  # noqa: F401
     except ImportError as exc:
         raise SystemExit(f"worker.engine is not importable ({exc}); add --skip engine,engine_best") from exc
+
+
+def device_budget(device_type: str) -> int:
+    """The engine's default tokens per step on this device (512 when the engine cannot be imported)."""
+    try:
+        from worker.engine.sizing import DEFAULT_BUDGET
+    except ImportError:
+        return 512
+    return DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cpu"])
 
 
 def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
@@ -634,8 +646,10 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     if args.overlap is not None:
         options["overlap_steps"] = args.overlap == "on"
         info["overlap"] = args.overlap
+    budget = args.budget or device_budget(model.device.type)
+    info["budget"] = budget
     setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
-                  ignore_eos=nano, engine_options=options)
+                  ignore_eos=nano, engine_options=options, budget=budget)
     if args.decode:
         info["decode"] = args.decode
     return setup, info
@@ -649,12 +663,12 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     plans = {
         "static": lambda: run_static(setup, args.slots),
         "transformers_cb": lambda: run_transformers_cb(setup, args.slots, args.cb_attn, cb_ran),
-        "engine": lambda: run_engine(setup, args.slots, ENGINE_BUDGET),
+        "engine": lambda: run_engine(setup, args.slots, setup.budget),
         "engine_best": lambda: run_engine(setup, best_slots, args.best_budget, name="engine_best"),
     }
     if args.ablate:
         # The engine's scheduling alone, on the same dense matmuls the baselines use.
-        plans["engine_dense"] = lambda: run_engine(setup, args.slots, ENGINE_BUDGET, name="engine_dense", pack=False)
+        plans["engine_dense"] = lambda: run_engine(setup, args.slots, setup.budget, name="engine_dense", pack=False)
     runs = {name: plan() for name, plan in plans.items() if name not in args.skip}
     methods = {name: summarize(run, setup.requests, setup.stop_ids, reference) for name, run in runs.items()}
     print()
@@ -680,7 +694,7 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
 def sweep(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     results = {}
     for slots in args.sweep_slots:
-        run = run_engine(setup, slots, ENGINE_BUDGET, name=f"engine@{slots}")
+        run = run_engine(setup, slots, max(setup.budget, slots), name=f"engine@{slots}")
         results[slots] = summarize(run, setup.requests, setup.stop_ids, None)
     print()
     print(format_table(results, first_column="slots"))

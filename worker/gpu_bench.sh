@@ -4,7 +4,7 @@
 # Here: `make gpu-kit` puts the pinned pure-Python and abi3 wheels, and the default model's tokenizer, in
 # .gpu-kit/ (about 25 MB). There, from a copy of this repository with .gpu-kit beside it:
 #
-#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | backend | overlap | all
+#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | budget | backend | overlap | all
 #
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results).
 set -eu
@@ -62,6 +62,13 @@ esac
 case $part in
 nano|all)    # target: >= 15,000 tok/s on nano-vllm's shape with Qwen3-0.6B
     bench nano --workload nano --random-weights qwen3-0.6b --slots 256 --skip static,reference ;;
+esac
+case $part in
+budget|all)  # tokens per step on nano's shape (half of it): the CUDA default, 8192, against smaller steps
+    for b in 512 2048 8192; do
+        bench "budget-$b" --workload nano --requests 128 --random-weights qwen3-0.6b --slots 256 --budget "$b" \
+            --skip static,reference,transformers_cb,engine_best
+    done ;;
 esac
 case $part in
 overlap|all) # each step's tokens read back while the next step runs, against reading them back at once

@@ -106,7 +106,7 @@ class WorkerRuntime:
         size = capacity(self.engine)
         runner = getattr(self.engine, "runner", None)
         line = (f"worker {self.settings.name} ready with {self.model_name} on {size['device']}: {size['slots']} slots, "
-                f"KV pool {size['kv_blocks']} blocks ({size['kv_tokens']} tokens, {(size['kv_bytes'] or 0) / 2**30:.2f} "
+                f"{size['step_tokens']} tokens per step, KV pool {size['kv_blocks']} blocks ({size['kv_tokens']} tokens, {(size['kv_bytes'] or 0) / 2**30:.2f} "
                 f"GiB) sized by {size['kv_sizing']}")
         if runner is not None:
             line += "; " + runner.describe_steps()
@@ -297,7 +297,8 @@ def capacity(engine) -> dict:
     tensors = pool if isinstance(pool, (list, tuple)) else [pool] if pool is not None else []
     kv_bytes = sum(t.numel() * t.element_size() for t in tensors if hasattr(t, "numel")) or None
     sizing = getattr(runner, "sizing", None)
-    return {"slots": config.max_num_seqs, "device": str(getattr(engine, "device", "unknown")),
+    return {"slots": config.max_num_seqs, "step_tokens": config.max_num_batched_tokens,
+            "device": str(getattr(engine, "device", "unknown")),
             "kv_blocks": blocks, "kv_block_size": block_size,
             "kv_tokens": blocks * block_size if blocks and block_size else None, "kv_bytes": kv_bytes,
             # How the pool got its size: num_blocks, a fixed KV_CACHE_GIB, or a share of the GPU's memory.

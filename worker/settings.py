@@ -48,9 +48,10 @@ class WorkerSettings:
     model: str | None = field(default_factory=lambda: os.environ.get("MODEL") or None)
     device: str | None = field(default_factory=lambda: os.environ.get("DEVICE") or None)
     dtype: str | None = field(default_factory=lambda: os.environ.get("DTYPE") or None)
-    # Unset: 16 slots and a 1 GiB KV pool on CPU; 256 slots and GPU_MEMORY_UTILIZATION of the GPU on CUDA.
+    # Unset: 16 slots, 512 tokens per step and a 1 GiB KV pool on CPU; 256 slots, 8192 tokens per step and
+    # GPU_MEMORY_UTILIZATION of the GPU on CUDA.
     max_num_seqs: int | None = field(default_factory=lambda: _optional("MAX_NUM_SEQS", int))
-    max_num_batched_tokens: int = field(default_factory=lambda: _int("MAX_NUM_BATCHED_TOKENS", 512))
+    max_num_batched_tokens: int | None = field(default_factory=lambda: _optional("MAX_NUM_BATCHED_TOKENS", int))
     kv_cache_gib: float | None = field(default_factory=lambda: _optional("KV_CACHE_GIB", float))
     # Unset: decode steps replayed as CUDA graphs on CUDA, eager on CPU; "1" forces eager everywhere.
     enforce_eager: bool | None = field(default_factory=lambda: _switch("ENFORCE_EAGER"))
@@ -82,7 +83,9 @@ def expected_slots(settings: WorkerSettings) -> int:
     """The slots the engine will have, known before the model loads (the task thread pool is sized from it)."""
     if settings.max_num_seqs:
         return settings.max_num_seqs
-    from worker.engine.sizing import default_slots
+    from worker.engine.config import EngineConfig
+    from worker.engine.sizing import slots_and_budget
     from worker.model_loader import pick_device
 
-    return min(default_slots(pick_device(settings.device).type), settings.max_num_batched_tokens)
+    config = EngineConfig(max_num_batched_tokens=settings.max_num_batched_tokens)
+    return slots_and_budget(config, pick_device(settings.device).type)[0]

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 @dataclass
 class EngineConfig:
     max_num_seqs: int | None = None      # sequences in one batch (slots); None: 16 on CPU, 256 on CUDA (sizing.py)
-    max_num_batched_tokens: int = 512    # tokens in one forward pass: decodes first, then prefill chunks
+    max_num_batched_tokens: int | None = None   # tokens in one forward pass, decodes first, then prefill chunks;
+                                         # None: 512 on CPU, 8192 on CUDA (sizing.py)
     block_size: int = 16                 # tokens per KV-cache block
     num_blocks: int | None = None        # KV pool size; None sizes it from the memory settings below
     kv_cache_memory_gib: float | None = None   # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
@@ -28,7 +29,7 @@ class EngineConfig:
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             value = getattr(self, name)
-            if name == "max_num_seqs" and value is None:
+            if name != "block_size" and value is None:
                 continue
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name} must be a positive integer; got {value!r}")
@@ -42,6 +43,6 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("EngineConfig.gpu_memory_utilization must be above 0 and at most 1; "
                              f"got {self.gpu_memory_utilization}")
-        if self.max_num_seqs is not None and self.max_num_batched_tokens < self.max_num_seqs:
+        if None not in (self.max_num_seqs, self.max_num_batched_tokens) and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("EngineConfig.max_num_batched_tokens must be at least max_num_seqs, "
                              "or some running sequences could never decode")

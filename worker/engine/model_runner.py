@@ -60,6 +60,7 @@ class ModelRunner:
         bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
         self.sizing = sizing.size_for(model, config, self.device, bytes_per_block)   # slots and pool per device
         config.max_num_seqs, self.num_blocks = self.sizing.max_num_seqs, self.sizing.num_blocks
+        config.max_num_batched_tokens = self.sizing.max_num_batched_tokens
         # Allocated once; every step writes into it in place. The block past num_blocks is scratch for
         # the padding rows of bucketed decode steps; the block manager never hands it out.
         self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks + 1, config.block_size, head_dim,

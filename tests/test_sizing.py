@@ -45,7 +45,8 @@ def test_the_token_budget_default_never_falls_below_the_slots_asked_for():
     for device in ("cpu", "cuda"):
         sizing = size_engine(EngineConfig(max_num_seqs=10_000, num_blocks=100), device, BLOCK)
         assert (sizing.max_num_seqs, sizing.max_num_batched_tokens) == (10_000, 10_000)
-    assert size_engine(EngineConfig(max_num_batched_tokens=300), "cuda", BLOCK, free_bytes=GIB).max_num_batched_tokens == 300
+    asked = size_engine(EngineConfig(max_num_batched_tokens=300), "cuda", BLOCK, free_bytes=GIB)
+    assert asked.max_num_batched_tokens == 300
 
 
 def test_gpu_slots_default_never_exceeds_the_token_budget():

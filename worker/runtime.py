@@ -106,8 +106,8 @@ class WorkerRuntime:
         size = capacity(self.engine)
         runner = getattr(self.engine, "runner", None)
         line = (f"worker {self.settings.name} ready with {self.model_name} on {size['device']}: {size['slots']} slots, "
-                f"{size['step_tokens']} tokens per step, KV pool {size['kv_blocks']} blocks ({size['kv_tokens']} tokens, {(size['kv_bytes'] or 0) / 2**30:.2f} "
-                f"GiB) sized by {size['kv_sizing']}")
+                f"{size['step_tokens']} tokens per step, KV pool {size['kv_blocks']} blocks ({size['kv_tokens']} tokens, "
+                f"{(size['kv_bytes'] or 0) / 2**30:.2f} GiB) sized by {size['kv_sizing']}")
         if runner is not None:
             line += "; " + runner.describe_steps()
         return line

@@ -43,6 +43,7 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("EngineConfig.gpu_memory_utilization must be above 0 and at most 1; "
                              f"got {self.gpu_memory_utilization}")
-        if None not in (self.max_num_seqs, self.max_num_batched_tokens) and self.max_num_batched_tokens < self.max_num_seqs:
+        slots, tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if slots is not None and tokens is not None and tokens < slots:
             raise ValueError("EngineConfig.max_num_batched_tokens must be at least max_num_seqs, "
                              "or some running sequences could never decode")

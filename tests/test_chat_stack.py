@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -201,3 +202,46 @@ def test_replies_to_the_sender_skip_the_message_queue_and_answers_use_the_stream
     assert [e.name for e in streamed][-1] == "done" and {e.name for e in streamed} == {"token", "done"}
     assert all(e.room == done["conversation_id"] and not e.api for e in streamed)
     assert "".join(e.data["text"] for e in streamed if e.name == "token") == done["text"]
+
+
+def test_a_worker_with_overlapped_steps_answers_as_the_plain_one(stack, db):
+    """OVERLAP_STEPS=1 through the whole stack: the same greedy answers over HTTP, streamed chat recorded."""
+    url = stack.web_urls[0]
+    questions = ["Where is my parcel?", "Can I return shoes I wore once?", "Do you ship to Norway?"]
+
+    def ask_all() -> list[str]:
+        answers: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            body = {"model": "default", "messages": [{"role": "user", "content": questions[i]}],
+                    "temperature": 0, "max_tokens": 40}
+            r = requests.post(url + "/v1/chat/completions", json=body, timeout=120)
+            r.raise_for_status()
+            answers[i] = r.json()["choices"][0]["message"]["content"]
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(questions))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(150)
+        return [answers[i] for i in range(len(questions))]
+
+    plain = ask_all()
+    stack.kill_worker()
+    try:
+        stack.start_worker(OVERLAP_STEPS="1")
+        starts = [line for line in (stack.workdir / "worker.log").read_text().splitlines() if "ready with" in line]
+        assert "steps overlapped" in starts[-1], starts[-1]
+        assert ask_all() == plain
+        c = ChatClient(url)
+        try:
+            result = c.ask("Is the blue teapot back in stock?")
+        finally:
+            c.close()
+        done = result["done"]
+        assert "".join(result["tokens"]) == done["text"] and done["completion_tokens"] > 0
+        with db() as s:
+            assert s.query(Message).filter_by(request_id=done["request_id"]).one().content == done["text"]
+            assert s.get(RequestRecord, done["request_id"]).finish_reason == done["finish_reason"]
+    finally:
+        stack.kill_worker()
+        stack.start_worker()   # the session's worker, as the tests that follow expect

@@ -109,6 +109,7 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     ("MAX_NUM_SEQS", "lots", "MAX_NUM_SEQS must be an integer; got 'lots'"),
     ("ENFORCE_EAGER", "maybe", "ENFORCE_EAGER must be 1 or 0"),
     ("OVERLAP_STEPS", "sometimes", "OVERLAP_STEPS must be 1 or 0"),
+    ("MAX_NUM_BATCHED_TOKENS", "many", "MAX_NUM_BATCHED_TOKENS must be an integer; got 'many'"),
 ])
 def test_a_malformed_worker_setting_names_itself_and_its_value(monkeypatch, name, value, says):
     monkeypatch.setenv(name, value)

@@ -615,10 +615,10 @@ def check_engine_importable() -> None:
 def device_budget(device_type: str) -> int:
     """The engine's default tokens per step on this device (512 when the engine cannot be imported)."""
     try:
-        from worker.engine.sizing import DEFAULT_BUDGET
+        from worker.engine.sizing import default_budget
     except ImportError:
         return 512
-    return DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cpu"])
+    return default_budget(device_type)
 
 
 def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:

@@ -19,7 +19,7 @@ import torch
 
 from . import attention, flex
 from .attention import StepContext
-from .transfer import Staging, upload
+from .transfer import Staging, place_pending
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +160,7 @@ class DecodeGraphs:
             staged.copy_(torch.tensor(attention.padded_tables(tables, w, scratch) + [[scratch] * w] * pad))
             self.tables[:b].copy_(staged, non_blocking=True)
         self.staging.record()
-        if fixes:
-            index = upload(list(zip(*fixes)), torch.long, self.kv.device)
-            self.input_ids[0, index[0]] = pending[index[1]]
+        place_pending(self.input_ids[0], pending, fixes)
         self.steps_per_bucket[b] += 1
         self.padding_rows += pad
         graph = self.graphs.get(b)

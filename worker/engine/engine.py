@@ -224,12 +224,16 @@ class LLMEngine:
         flight = self._in_flight
         pending = Pending(flight.readback.tokens, [s.pending for s in sampling]) if flight else None
         try:
-            tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                                  [s.seed for s in sampling], pending)
+            tokens = self._draw(sampling, logits, pending)
         except Exception:
             log.exception("drawing the step's tokens ahead failed; drawing them after reading back")
             return None
         return Readback(tokens)
+
+    def _draw(self, sampling: list[Sequence], logits, pending: Pending | None = None):
+        """The sampler over the sequences' rows: their tokens, as a device tensor."""
+        return self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
+                            [s.seed for s in sampling], pending)
 
     def _take_off(self, sampling: list[Sequence], readback: Readback) -> None:
         """Leave the step's tokens in flight: each sequence that goes on gets a placeholder for its token."""
@@ -305,8 +309,7 @@ class LLMEngine:
     def _sample(self, sampling: list[Sequence], logits, defer: bool) -> list[Event]:
         """Pick each sequence's next token; `defer` leaves the tokens on the device, in flight, for now."""
         try:
-            tokens = self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                                  [s.seed for s in sampling])
+            tokens = self._draw(sampling, logits)
         except Exception:
             log.exception("sampling failed; sampling each request alone")
             return self._sample_one_by_one(sampling, logits)

@@ -13,7 +13,7 @@ from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
 from .device import DecodeGraphs
 from .scheduler import Batch
-from .transfer import upload
+from .transfer import place_pending, upload
 
 log = logging.getLogger(__name__)
 
@@ -127,12 +127,12 @@ class ModelRunner:
         pending: the previous step's sampled tokens while they are still on their way to the host; a sequence
         whose last token is one of them (`Sequence.pending`) reads it from there."""
         bs = self.config.block_size
+        fixes = [(row, seq.pending) for row, seq in enumerate(batch.decodes) if seq.pending is not None]
         graphs = self.decode_graphs
         if (graphs is not None and not batch.prefills
                 and graphs.fits(len(batch.decodes), max(seq.num_tokens for seq in batch.decodes))):
-            return self._run_static(batch, pending)
+            return self._run_static(batch, pending, fixes)
         ids, positions, slots, keep, spans = [], [], [], [], []
-        fixes = [(row, seq.pending) for row, seq in enumerate(batch.decodes) if seq.pending is not None]
         for seq in batch.decodes:
             pos = seq.num_tokens - 1
             table = seq.block_table
@@ -161,9 +161,7 @@ class ModelRunner:
             input_ids = upload([ids], torch.long, self.device)
             position_ids = upload([positions], torch.long, self.device)
             keep_t = upload(keep, torch.long, self.device)
-            if fixes:
-                index = upload(list(zip(*fixes)), torch.long, self.device)
-                input_ids[0, index[0]] = pending[index[1]]
+            place_pending(input_ids[0], pending, fixes)
             if self.takes_logits_to_keep:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                                  logits_to_keep=keep_t)
@@ -172,11 +170,10 @@ class ModelRunner:
         finally:
             attention.set_context(None)
 
-    def _run_static(self, batch: Batch, pending: torch.Tensor | None) -> torch.Tensor:
+    def _run_static(self, batch: Batch, pending: torch.Tensor | None, fixes: list[tuple[int, int]]) -> torch.Tensor:
         bs = self.config.block_size
         seqs = batch.decodes
         positions = [seq.num_tokens - 1 for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
-        fixes = [(row, seq.pending) for row, seq in enumerate(seqs) if seq.pending is not None]
         return self.decode_graphs.run([seq.token_ids[-1] for seq in seqs], positions, slots,
                                       [seq.block_table for seq in seqs], pending, fixes)

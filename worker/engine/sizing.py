@@ -37,11 +37,14 @@ def default_slots(device_type: str) -> int:
     return DEFAULT_SLOTS.get(device_type, DEFAULT_SLOTS["cpu"])
 
 
+def default_budget(device_type: str) -> int:
+    return DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cpu"])
+
+
 def slots_and_budget(config, device_type: str) -> tuple[int, int]:
     """(max_num_seqs, max_num_batched_tokens): as set, else the device's defaults (slots never above the budget,
     the budget never below the slots set)."""
-    budget = config.max_num_batched_tokens or max(DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cpu"]),
-                                                  config.max_num_seqs or 0)
+    budget = config.max_num_batched_tokens or max(default_budget(device_type), config.max_num_seqs or 0)
     return config.max_num_seqs or min(default_slots(device_type), budget), budget
 
 

@@ -13,6 +13,13 @@ def upload(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return tensor.to(device)
 
 
+def place_pending(ids: torch.Tensor, tokens: torch.Tensor, fixes: list[tuple[int, int]]) -> None:
+    """ids[row] = tokens[i] for each (row, i): tokens sampled last step and not read back, placed on the device."""
+    if fixes:
+        index = upload(list(zip(*fixes)), torch.long, ids.device)
+        ids[index[0]] = tokens[index[1]]
+
+
 class Staging:
     """Guards pinned host buffers that every step rewrites and copies to the device without blocking.
 

@@ -45,7 +45,7 @@ audit: install
 test: install audit browser compose-tool
 	$(PY) -m pytest
 
-# What worker/gpu_bench.sh needs on a CUDA machine without a package registry: the pinned pure-Python and
+# What bench/gpu_bench.sh needs on a CUDA machine without a package registry: the pinned pure-Python and
 # abi3 wheels transformers needs, and the default model's tokenizer (about 25 MB). Copy .gpu-kit there with
 # the repository.
 GPU_KIT_WHEELS := transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface_hub==2.4.0 \
@@ -61,7 +61,7 @@ gpu-kit: install
 	du -sh .gpu-kit
 
 bench: install
-	$(PY) -m worker.bench --json docs/bench.json --plot docs/bench.png
+	$(PY) -m bench --json docs/bench.json --plot docs/bench.png
 
 clean:
 	rm -rf $(VENV)

@@ -1,4 +1,4 @@
-"""End-to-end check of `python -m worker.bench` on a tiny random model: JSON schema and plot."""
+"""End-to-end check of `python -m bench` on a tiny random model: JSON schema and plot."""
 
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from tests.tiny_model import make_tiny_model_dir
-from worker import bench
+from bench import engine as bench
 from worker.model_loader import load_tokenizer
 
-WORKLOAD = str(bench.REPO_ROOT / "worker" / "data" / "workload.json")
+WORKLOAD = str(bench.REPO_ROOT / "bench" / "data" / "workload.json")
 
 METRIC_TYPES = {
     "tokens_per_s": float, "wall_s": float, "e2e_p50_s": float, "e2e_p95_s": float, "ttft_p50_s": float,
@@ -126,7 +126,7 @@ def test_random_weights_resolve_paths_directories_and_builtin_shapes(tiny_config
     from transformers import AutoConfig
 
     from worker.model_loader import ModelLoadError
-    from worker.random_model import builtin_configs, resolve_config
+    from bench.random_model import builtin_configs, resolve_config
 
     assert resolve_config(str(tiny_config)) == resolve_config(str(tiny_config.parent)) == tiny_config
     assert {"qwen3-0.6b", "smollm2-135m"} <= set(builtin_configs())
@@ -178,7 +178,7 @@ def test_engine_run_hands_the_model_back_unchanged(tiny_dir):
 
 
 def test_stack_bench_runs_the_workload_through_socketio_and_matches_the_engine(tiny_model_dir, tmp_path):
-    from worker import stack_bench
+    from bench import stack as stack_bench
 
     figures = stack_bench.main(["--model", str(tiny_model_dir), "--limit", "4", "--slots", "2", "--rounds", "2",
                                 "--alone", "2", "--json", str(tmp_path / "stack.json")])
@@ -192,7 +192,7 @@ def test_stack_bench_runs_the_workload_through_socketio_and_matches_the_engine(t
 
 
 def test_stack_bench_can_give_the_engine_cpus_of_its_own():
-    from worker.stack_bench import Placement
+    from bench.stack import Placement
 
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -220,7 +220,7 @@ def test_stack_bench_can_give_the_engine_cpus_of_its_own():
 
 def test_stack_bench_burst_reports_refusals_instead_of_failing(stack):
     """A burst against a web process whose queue counts as full: every refusal is counted, nothing crashes."""
-    from worker import stack_bench
+    from bench import stack as stack_bench
 
     url = stack.web_with(QUEUE_LIMIT="0")
     figures = stack_bench.main(["--url", url, "--customers", "30", "--max-new-tokens", "2"])
@@ -233,7 +233,7 @@ def test_stack_bench_burst_reports_refusals_instead_of_failing(stack):
 
 
 def test_stack_bench_burst_answers_every_customer(stack):
-    from worker import stack_bench
+    from bench import stack as stack_bench
 
     figures = stack_bench.main(["--url", stack.web_urls[0], "--customers", "30", "--max-new-tokens", "2"])
     assert (figures["answered"], figures["refused"], figures["failed"], figures["lost"]) == (30, 0, 0, 0)
@@ -241,7 +241,7 @@ def test_stack_bench_burst_answers_every_customer(stack):
 
 
 def test_stack_bench_burst_over_http_answers_everyone(stack):
-    from worker import stack_bench
+    from bench import stack as stack_bench
 
     figures = stack_bench.main(["--url", stack.web_urls[0], "--customers", "20", "--protocol", "http",
                                 "--max-new-tokens", "2"])
@@ -249,7 +249,7 @@ def test_stack_bench_burst_over_http_answers_everyone(stack):
 
 
 def test_stack_bench_ceiling_streams_synthetic_text_to_open_chats(tmp_path):
-    from worker import stack_bench
+    from bench import stack as stack_bench
 
     figures = stack_bench.main(["--ceiling", "--open", "40", "--streaming", "10", "--token-rate", "40",
                                 "--warmup", "1", "--duration", "3", "--json", str(tmp_path / "ceiling.json")])

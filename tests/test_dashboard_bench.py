@@ -1,4 +1,4 @@
-"""`python -m webapp.dashboard_bench` on a few records: it fills, catches up, serves every window and compares."""
+"""`python -m bench.dashboard` on a few records: it fills, catches up, serves every window and compares."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from tests.stack import ROOT
 
 def test_the_dashboard_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "-m", "webapp.dashboard_bench", "--records", "3000", "--repeats", "1",
+    subprocess.run([sys.executable, "-m", "bench.dashboard", "--records", "3000", "--repeats", "1",
                     "--sample-s", "0.5", "--dir", str(tmp_path), "--json", str(out)], cwd=ROOT, check=True,
                    capture_output=True, timeout=300)
     result = json.loads(out.read_text())

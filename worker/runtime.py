@@ -80,8 +80,8 @@ class WorkerRuntime:
                               kv_cache_memory_gib=s.kv_cache_gib, gpu_memory_utilization=s.gpu_memory_utilization,
                               enforce_eager=s.enforce_eager, attention_backend=s.attention_backend,
                               decode_attention=s.decode_attention, overlap_steps=s.overlap_steps)
-        if s.synthetic_token_rate:   # benchmarks of the web tier only (worker/synthetic.py)
-            from worker.synthetic import SyntheticEngine
+        if s.synthetic_token_rate:   # benchmarks of the web tier only (bench/synthetic.py)
+            from bench.synthetic import SyntheticEngine
             self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs or default_slots("cpu"))
         else:
             # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).

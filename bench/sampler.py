@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from worker.bench import DEFAULT_WORKLOAD, load_workload
+from bench.engine import DEFAULT_WORKLOAD, load_workload
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.sampler import Sampler
 from worker.model_loader import load_model
@@ -176,7 +176,7 @@ def engine_table(model_source, tokenizer, slots: int, count: int, new_tokens: in
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m worker.sampler_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__)
     parser.add_argument("--model", default=os.environ.get("MODEL") or None)
     parser.add_argument("--rows", default="16,64,256", help="batch sizes for the sampler alone ('' skips)")
     parser.add_argument("--repeats", type=int, default=9, help="timed calls per case (median)")

@@ -4,7 +4,7 @@
 # Here: `make gpu-kit` puts the pinned pure-Python and abi3 wheels, and the default model's tokenizer, in
 # .gpu-kit/ (about 25 MB). There, from a copy of this repository with .gpu-kit beside it:
 #
-#   sh worker/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | budget | backend | overlap | all
+#   sh bench/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | budget | backend | overlap | all
 #
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results).
 set -eu
@@ -30,8 +30,8 @@ EOF
 
 bench() {   # bench NAME ARGS...: one run, its log and JSON kept
     name=$1; shift
-    echo "== $name: python -m worker.bench $*" | tee -a "$out/commands.txt"
-    "$py" -m worker.bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 | grep -v 'req/s\]' | tee "$out/$name.log"
+    echo "== $name: python -m bench $*" | tee -a "$out/commands.txt"
+    "$py" -m bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 | grep -v 'req/s\]' | tee "$out/$name.log"
 }
 
 case $part in

@@ -1,6 +1,6 @@
 """A benchmark-only stand-in for the engine: text at a set rate, to measure how fast the stack delivers it.
 
-`python -m worker.stack_bench --ceiling` starts its worker with SYNTHETIC_TOKEN_RATE set, so the web
+`python -m bench.stack --ceiling` starts its worker with SYNTHETIC_TOKEN_RATE set, so the web
 tier's delivery can be measured at GPU-like rates on a machine without a GPU. Every running request gets
 SYNTHETIC_TOKEN ("tok ") once per step, steps come SYNTHETIC_TOKEN_RATE times a second, and a request
 ends at its max_new_tokens. It has no model: it must never serve customers, and no test of the product's

@@ -1,4 +1,4 @@
-"""`python -m webapp.dashboard_bench`: the dashboard's cost with many records, on a throwaway database.
+"""`python -m bench.dashboard`: the dashboard's cost with many records, on a throwaway database.
 
 Fills a new SQLite file (or, with --postgres, a new PostgreSQL database, dropped afterwards) with N raw
 request records spread over the last 24 hours, written by SQL the way a restore or an import writes rows
@@ -226,7 +226,7 @@ def _utc(ts: float):
 
 
 def child(mode: str, url: str, *args: str, env: dict | None = None) -> dict:
-    out = subprocess.run([sys.executable, "-m", "webapp.dashboard_bench", "--child", mode, "--url", url, *args],
+    out = subprocess.run([sys.executable, "-m", "bench.dashboard", "--child", mode, "--url", url, *args],
                          cwd=ROOT, capture_output=True, text=True, check=True, env={**os.environ, **(env or {})})
     return json.loads(out.stdout.splitlines()[-1])
 
@@ -300,7 +300,7 @@ def bench(url: str, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m webapp.dashboard_bench", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--records", type=int, default=1_000_000, help="records over the last 24 h")
     parser.add_argument("--postgres", nargs="?", const="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",

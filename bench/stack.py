@@ -33,7 +33,7 @@ import socketio
 
 from models import RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
-from worker.bench import DEFAULT_WORKLOAD
+from bench.engine import DEFAULT_WORKLOAD
 from worker.local_redis import free_port, start_redis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -356,7 +356,7 @@ def summarize(direct: dict, stack: dict, slots: int) -> dict:
             "refused": sum(n for code, n in codes.items() if code in REFUSALS)}
 
 
-# ---- crowds: a burst of customers, idle connections, the delivery ceiling (worker/crowd.py) -------------------
+# ---- crowds: a burst of customers, idle connections, the delivery ceiling (bench/crowd.py) -------------------
 
 def web_server_pids(master_pid: int) -> list[int]:
     """The web process: gunicorn's master and the worker that holds the connections."""
@@ -376,7 +376,7 @@ def run_crowd(url: str, customers: int, mode: str, procs: int = 1, protocol: str
               extra: list[str] | None = None, when_connected=None) -> list[dict]:
     """`customers` split over `procs` client processes; once all are connected they act at the same moment."""
     sizes = [customers // procs + (i < customers % procs) for i in range(procs)]
-    children = [subprocess.Popen([sys.executable, "-m", "worker.crowd", "--url", url, "--customers", str(n),
+    children = [subprocess.Popen([sys.executable, "-m", "bench.crowd", "--url", url, "--customers", str(n),
                                   "--mode", mode, "--protocol", protocol, *(extra or [])],
                                  cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 for n in sizes if n]
@@ -445,7 +445,7 @@ def print_burst(fig: dict, protocol: str) -> None:
 
 def crowd_main(args) -> dict:
     """--customers, --idle and --ceiling: against --url, or a stack of its own."""
-    from worker.synthetic import SYNTHETIC_TOKEN
+    from bench.synthetic import SYNTHETIC_TOKEN
 
     if args.ceiling:   # every streaming chat keeps streaming past the measured window
         args.max_new_tokens = int(args.token_rate * (args.warmup + args.duration + 15))
@@ -530,7 +530,7 @@ def _cpu_times(pids: list[int]) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m worker.stack_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.stack", description=__doc__)
     parser.add_argument("--slots", type=int, default=16)
     parser.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
     parser.add_argument("--limit", type=int, default=None)
@@ -545,7 +545,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", type=Path, default=None, help="also write the figures here")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="keep the stack's logs, database and Redis files here (default: a temporary folder)")
-    crowd = parser.add_argument_group("crowds", "instead of the workload: many customers from worker/crowd.py")
+    crowd = parser.add_argument_group("crowds", "instead of the workload: many customers from bench/crowd.py")
     crowd.add_argument("--customers", type=int, default=0,
                        help="burst: this many customers connect, then each asks once, all at the same moment")
     crowd.add_argument("--max-new-tokens", type=int, default=8, help="the answers' length in --customers and "

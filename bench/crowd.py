@@ -1,12 +1,12 @@
-"""Many customers from one process, for `worker.stack_bench`: each a greenlet on its own connection.
+"""Many customers from one process, for `bench.stack`: each a greenlet on its own connection.
 
 Socket.IO customers load the chat page (for the session cookie, as a browser does), then speak Engine.IO
 and Socket.IO over a websocket directly: open, connect to the default namespace, answer pings, emit
 `chat_message` and read `accepted`, `token`, `done` and `error`. HTTP customers send streaming
 `POST /v1/chat/completions`. A thin client keeps the benchmark's own CPU small beside the server's on a
-shared machine. Run by stack_bench as a process of its own (gevent patches the standard library first):
+shared machine. Run by bench.stack as a process of its own (gevent patches the standard library first):
 
-    python -m worker.crowd --url URL --customers N --mode burst|idle|stream [--protocol socketio|http]
+    python -m bench.crowd --url URL --customers N --mode burst|idle|stream [--protocol socketio|http]
 
 It connects everyone, prints `connected N`, waits for a line on stdin, then acts (all at once) and prints
 one JSON line of results.
@@ -175,7 +175,7 @@ class HealthProbe:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m worker.crowd", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.crowd", description=__doc__)
     parser.add_argument("--url", required=True)
     parser.add_argument("--customers", type=int, required=True)
     parser.add_argument("--mode", choices=("burst", "idle", "stream"), default="burst")

@@ -27,7 +27,7 @@ from worker.model_loader import load_model
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SHARED_WORKLOAD = REPO_ROOT.parent / "shared" / "bench" / "workload.json"
 # The same workload ships in the repo for checkouts without the shared folder beside them.
-DATA_DIR = REPO_ROOT / "worker" / "data"
+DATA_DIR = REPO_ROOT / "bench" / "data"
 DEFAULT_WORKLOAD = SHARED_WORKLOAD if SHARED_WORKLOAD.is_file() else DATA_DIR / "workload.json"
 # nano-vllm's benchmark shape: random token ids, lengths uniform in 100..1024, ignore_eos, temperature 0.6.
 NANO = "nano"
@@ -119,7 +119,7 @@ def nano_workload(n: int = NANO_REQUESTS, lengths: tuple[int, int] = NANO_LENGTH
 
 
 def resolve_workload(value: str) -> Path:
-    """A workload file: a path, or a name shipped in worker/data (e.g. `workload-256`)."""
+    """A workload file: a path, or a name shipped in bench/data (e.g. `workload-256`)."""
     for path in (Path(value), DATA_DIR / value, DATA_DIR / f"{value}.json"):
         if path.is_file():
             return path
@@ -527,7 +527,7 @@ DECODE_CHOICES = {"eager": {"enforce_eager": True},
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--model", default=os.environ.get("MODEL") or None,
                         help="HF id, model dir or .gguf (default: env MODEL, else the bundled SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
@@ -543,7 +543,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="attention for transformers_cb (sdpa was faster than paged|eager on CPU)")
     parser.add_argument("--limit", type=int, default=None, help="use only the first K requests")
     parser.add_argument("--workload", default=str(DEFAULT_WORKLOAD),
-                        help=f"a workload JSON, a name shipped in worker/data (e.g. workload-256), or {NANO!r}: "
+                        help=f"a workload JSON, a name shipped in bench/data (e.g. workload-256), or {NANO!r}: "
                              "nano-vllm's shape (random token ids, ignore_eos, temperature 0.6)")
     parser.add_argument("--requests", type=int, default=None,
                         help=f"--workload {NANO}: number of requests (default {NANO_REQUESTS})")
@@ -624,7 +624,7 @@ def device_budget(device_type: str) -> int:
 def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     if args.random_weights:
-        from worker.random_model import load_random_model
+        from bench.random_model import load_random_model
 
         model, tokenizer = load_random_model(args.random_weights, device=args.device, dtype=args.dtype,
                                              tokenizer_model=args.model)

@@ -1,0 +1,1 @@
+"""Benchmarks: the engine, the sampler, the whole stack, the dashboard and the GPU script, apart from the product."""

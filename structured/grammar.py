@@ -1,0 +1,90 @@
+"""A JSON-schema constraint, optionally wrapped in literal text and repeated, compiled to an llguidance grammar."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from llguidance import LLMatcher
+
+# A schema is compiled once per distinct text; larger ones are refused before anything is queued.
+MAX_SCHEMA_BYTES = 64 * 1024
+ANY_OBJECT: dict[str, Any] = {"type": "object"}
+# Compact JSON: a grammar that allows free whitespace lets a model pad an answer with blanks until it runs out of
+# tokens, and no client needs the blanks.
+COMPACT = {"whitespace_flexible": False}
+
+
+class StructureError(ValueError):
+    """The constraint cannot be compiled; the message says what is wrong with it."""
+
+
+@dataclass(frozen=True)
+class Structure:
+    """An answer that is one JSON value matching `schema` (any JSON object when None), between `begin` and `end`;
+    with `repeat`, one or more of those, joined by `separator` (parallel tool calls, say)."""
+
+    schema: dict[str, Any] | None = None
+    begin: str = ""
+    end: str = ""
+    repeat: bool = False
+    separator: str = "\n"
+
+    def to_json(self) -> dict[str, Any]:
+        """The job's form of it (plain JSON), read back by `from_json`."""
+        return {"schema": self.schema, "begin": self.begin, "end": self.end, "repeat": self.repeat,
+                "separator": self.separator}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Structure:
+        return cls(schema=data.get("schema"), begin=data.get("begin", ""), end=data.get("end", ""),
+                   repeat=bool(data.get("repeat", False)), separator=data.get("separator", "\n"))
+
+    @property
+    def key(self) -> str:
+        """Canonical text of the whole constraint: equal keys compile to the same grammar."""
+        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+
+    def grammar(self) -> str:
+        """The llguidance grammar (its JSON form), checked: raises StructureError when it does not compile."""
+        return _grammar(self.key)
+
+    def check(self) -> None:
+        """Raise StructureError, with the reason, unless the constraint compiles."""
+        self.grammar()
+
+
+@lru_cache(maxsize=256)
+def _grammar(key: str) -> str:
+    data = json.loads(key)
+    schema = data["schema"] if data["schema"] is not None else ANY_OBJECT
+    if not isinstance(schema, dict):
+        raise StructureError("The JSON schema must be a JSON object.")
+    if len(key) > MAX_SCHEMA_BYTES:
+        raise StructureError(f"The JSON schema is longer than {MAX_SCHEMA_BYTES // 1024} KiB; send a smaller one.")
+    schema = {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
+    try:
+        if not (data["begin"] or data["end"] or data["repeat"]):
+            grammar = LLMatcher.grammar_from_json_schema(schema)
+        else:
+            item = f"item: {json.dumps(data['begin'])} value {json.dumps(data['end'])}\n" if data["begin"] or \
+                data["end"] else "item: value\n"
+            start = f"start: item ({json.dumps(data['separator'])} item)*\n" if data["repeat"] else "start: item\n"
+            grammar = LLMatcher.grammar_from_lark(start + item + "value: %json " + json.dumps(schema))
+    except (TypeError, ValueError) as exc:
+        raise StructureError(f"The JSON schema cannot be used: {exc}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise StructureError(f"The JSON schema cannot be used: {_reason(error)}")
+    return grammar
+
+
+def _reason(message: str) -> str:
+    """llguidance's message without its excerpts of the generated grammar text, on one line."""
+    kept = [line.strip() for line in message.splitlines()
+            if line.strip() and not re.match(r"^\s*(\d+\s*\||\^)", line)]
+    reason = re.sub(r"^(at \d+\(\d+\): )?(failed to compile JSON schema: )?", "", " ".join(kept))
+    return reason if len(reason) <= 300 else reason[:297] + "..."

@@ -1,8 +1,9 @@
 """The roll-up: recompute the summaries of every minute whose records changed (dirty_minutes), newest first.
 
 A minute's 10-second and 1-minute slots are computed from its records by the database (histogram buckets,
-counts, sums, requests and tokens per API key, its slowest requests; each record's latencies worked out once, into a temporary table); 15-minute and 1-hour slots are merged from the slots below them. A minute
-is replaced whole, so running it twice changes nothing; it is only marked clean if its version did not change
+counts, sums, requests and tokens per API key, its slowest requests; each record's latencies worked out once,
+into a temporary table); 15-minute and 1-hour slots are merged from the slots below them. A minute is replaced
+whole, so running it twice changes nothing; it is only marked clean if its version did not change
 while its records were read, so a record written meanwhile is summarised by the next round.
 """
 

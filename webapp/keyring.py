@@ -70,8 +70,9 @@ class KeyRing:
         return Snapshot(keys, len(rows), time.monotonic())
 
     def snapshot(self) -> Snapshot:
-        """The keys as of at most `refresh_s` ago. A database that is away keeps the last copy in use (nobody can
-        revoke a key meanwhile either); with no copy yet, its error goes up (a 503 from webapp/health.py)."""
+        """The keys as of at most `refresh_s` ago. A database this process cannot reach keeps the last copy in use:
+        no completion is served meanwhile anyway (its record cannot be stored). With no copy yet, the error goes up
+        (a 503 from webapp/health.py)."""
         snap = self._snapshot
         if snap is not None and time.monotonic() - snap.loaded_at < self.refresh_s:
             return snap

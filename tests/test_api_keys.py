@@ -23,6 +23,7 @@ from messaging.contract import QUEUE
 from models import ApiKey, RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
 from tests.stack import wait_for
+from tests.test_security import inline_code
 from webapp import create_app, keys
 from worker.local_redis import start_redis
 
@@ -289,6 +290,7 @@ def test_the_keys_page_creates_a_key_shown_once_and_revokes_it(operator, session
         assert db.scalar(select(ApiKey.key_hash).where(ApiKey.name == "web-shop")) == digest(key)
     page = operator.get("/dashboard/keys")
     assert key not in page.text and key[:7] + "…" in page.text and "100/hour" in page.text, "shown once only"
+    assert inline_code(created.text) == inline_code(page.text) == [], "nothing a strict CSP would block"
     assert operator.get("/v1/models", headers=bearer(key)).status_code == 200
 
     again = operator.post("/dashboard/keys", data={"name": "web-shop", "rate_limit": "",
@@ -451,3 +453,37 @@ def test_the_raw_keys_reach_no_log_redis_key_or_database_file(stack, keyed):
     assert digest(keyed.alpha).encode() in stored, "the database file holds the digest"
     for key in secrets:
         assert key.encode() not in stored
+
+
+def test_the_keys_page_in_a_browser(browser, stack, keyed):
+    url = stack.web_urls[0]
+    page = browser.new_page()
+    try:
+        script_errors = []
+        page.on("pageerror", lambda exc: script_errors.append(str(exc)))
+        page.on("dialog", lambda dialog: dialog.accept())   # "Revoke the key ...?"
+        page.goto(url + "/dashboard/keys")
+        page.fill("#username", "operator")
+        page.fill("#password", stack.env["OPERATOR_PASSWORD"])
+        page.click("button[type=submit]")
+        page.wait_for_url("**/dashboard/keys")
+        assert "requires an API key" in page.text_content("#api-status")
+        page.fill("#key-name", "test-browser")
+        page.fill("#key-rate-limit", "30/minute")
+        page.click("#create-key button[type=submit]")
+        key = page.text_content("#new-key-value")
+        assert key.startswith("sb-") and page.is_visible("#copy-key"), "shown once, with a copy button"
+        assert requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).ok
+        page.goto(url + "/dashboard/keys")
+        assert key not in page.content()
+        page.click('tr[data-key="test-browser"] .revoke button')
+        page.wait_for_selector('tr[data-key="test-browser"][data-revoked="true"]')
+        assert "Revoked the key" in page.text_content(".notice")
+        page.goto(url + "/dashboard")
+        page.wait_for_selector('#api-keys tr[data-key="test-usage"]')
+        assert not script_errors, script_errors
+    finally:
+        page.close()
+        with make_session_factory(make_engine(stack.env["DATABASE_URL"]))() as db:
+            if db.scalar(select(ApiKey).where(ApiKey.name == "test-browser")) is not None:
+                keys.delete(db, "test-browser")

@@ -51,6 +51,21 @@ def restart_redis(dead: subprocess.Popen, port: int) -> subprocess.Popen:
         return dead
 
 
+def api_line(database_url: str) -> str:
+    """Whether /v1 is open or needs API keys, and the command that changes it."""
+    from models.db import make_engine, make_session_factory
+    from webapp.keys import api_base, api_status
+
+    python = os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT) + os.sep) else sys.executable
+    production = os.environ.get("SUPPORTBOT_ENV", "").strip().lower() == "production"
+    engine = make_engine(database_url)
+    try:
+        with make_session_factory(engine)() as db:
+            return api_status(db, api_base(), production, python)
+    finally:
+        engine.dispose()
+
+
 def main() -> int:
     from models.db import default_database_url, upgrade
     from worker.local_redis import port_of, start_redis
@@ -81,6 +96,7 @@ def main() -> int:
         child.start()
     port = env.get("PORT", "5000")
     print(f"supportbot: http://127.0.0.1:{port}/  (Redis {env['REDIS_URL']}, database {env['DATABASE_URL']})")
+    print(f"supportbot: {api_line(env['DATABASE_URL'])}")
     print(f"logs in {RUN_DIR}; Ctrl-C stops everything", flush=True)
     try:
         while not stopping:

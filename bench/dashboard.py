@@ -2,7 +2,8 @@
 
 Fills a new SQLite file (or, with --postgres, a new PostgreSQL database, dropped afterwards) with N raw
 request records spread over the last 24 hours, written by SQL the way a restore or an import writes rows
-(not through the worker). Then, in order:
+(not through the worker); 60% of them carry one of --keys API key names (the rest stand for chat traffic), so
+the summaries and the figures include usage per key. Then, in order:
 
 1. catch-up: a housekeeping process (`python -m housekeeping`) summarises them; the 24 h figures are sampled
    while it works (they say they are catching up) and the time until nothing is left to summarise is taken;
@@ -55,13 +56,17 @@ l AS (SELECT *, tpot * (tokens - 1) AS decode FROM g),
 t AS (SELECT *, fin - decode - prefill - queue AS enq FROM l)
 INSERT INTO request_records (request_id, source, model, worker, enqueued_at, admitted_at, first_token_at,
                              finished_at, prompt_tokens, completion_tokens, cached_tokens, finish_reason,
-                             batch_size, error)
+                             batch_size, error, api_key)
 SELECT printf('bench-%012d', i), 'api', 'bench', 'bench-worker', {ts_enq}, {ts_adm}, {ts_first}, {ts_fin},
        50 + r * 3, tokens, r, CASE WHEN r < 2 THEN 'error' WHEN r < 10 THEN 'length'
                                    WHEN r < 13 THEN 'cancelled' ELSE 'stop' END,
-       1 + r % 16, CASE WHEN r < 2 THEN 'bench: worker lost' END
+       1 + r % 16, CASE WHEN r < 2 THEN 'bench: worker lost' END, {key}
 FROM t
 """
+
+
+# The API key a record came with: one of :keys names for 60% of the records, none for the others.
+KEY = "CASE WHEN :keys > 0 AND r < 60 THEN 'bench-key-' || (r % :keys) END"
 
 
 def sqlite_ts(expr: str) -> str:
@@ -73,11 +78,11 @@ def sqlite_ts(expr: str) -> str:
 PG_FILL = """
 INSERT INTO request_records (request_id, source, model, worker, enqueued_at, admitted_at, first_token_at,
                              finished_at, prompt_tokens, completion_tokens, cached_tokens, finish_reason,
-                             batch_size, error)
+                             batch_size, error, api_key)
 SELECT 'bench-' || lpad(i::text, 12, '0'), 'api', 'bench', 'bench-worker', to_timestamp(enq),
        to_timestamp(enq + queue), to_timestamp(fin - decode), to_timestamp(fin), 50 + r * 3, tokens, r,
        CASE WHEN r < 2 THEN 'error' WHEN r < 10 THEN 'length' WHEN r < 13 THEN 'cancelled' ELSE 'stop' END,
-       1 + r % 16, CASE WHEN r < 2 THEN 'bench: worker lost' END
+       1 + r % 16, CASE WHEN r < 2 THEN 'bench: worker lost' END, {key}
 FROM (SELECT *, fin - decode - prefill - queue AS enq FROM (
       SELECT *, tpot * (tokens - 1) AS decode FROM (
         SELECT i, :t0 + (i + 0.5) * :span / :total AS fin, -0.05 * ln(1 - random()) AS queue,
@@ -87,19 +92,20 @@ FROM (SELECT *, fin - decode - prefill - queue AS enq FROM (
 """
 
 
-def fill(url: str, n: int, now: float, span: float = 86400.0) -> float:
-    """N raw records finished over [now - span, now); returns the seconds it took."""
+def fill(url: str, n: int, now: float, span: float = 86400.0, keys: int = 10) -> float:
+    """N raw records finished over [now - span, now), 60% of them with one of `keys` API key names; returns the
+    seconds it took."""
     engine = make_engine(url)
     t0, started = now - span, time.perf_counter()
     if engine.dialect.name == "sqlite":
         sql = SQLITE_FILL.format(ts_enq=sqlite_ts("enq"), ts_adm=sqlite_ts("enq + queue"),
-                                 ts_first=sqlite_ts("fin - decode"), ts_fin=sqlite_ts("fin"))
+                                 ts_first=sqlite_ts("fin - decode"), ts_fin=sqlite_ts("fin"), key=KEY)
     else:
-        sql = PG_FILL
+        sql = PG_FILL.format(key=KEY)
     for start in range(0, n, CHUNK):
         with engine.begin() as conn:
             conn.execute(text(sql), {"start": start, "end": min(n, start + CHUNK), "t0": t0, "span": span,
-                                     "total": n})
+                                     "total": n, "keys": keys})
         print(f"  filled {min(n, start + CHUNK):,} / {n:,} ({time.perf_counter() - started:.0f} s)", flush=True)
     with engine.begin() as conn:
         conn.execute(text("ANALYZE"))   # as one does after a restore
@@ -186,7 +192,8 @@ def serve_figures(url: str, repeats: int) -> dict:
             "extra_rss_after_mb": round(rss_mb() - base_rss, 1),
             "requests": body["totals"]["requests"], "catching_up": body["summaries"]["catching_up"],
             "first": body["series"]["t"][0], "generated_at": body["generated_at"],
-            "latency": body["latency"]}
+            "latency": body["latency"], "keys_listed": len(body["api_keys"] or []),
+            "keyed_requests": sum(k["requests"] for k in body["api_keys"] or [])}
     return out
 
 
@@ -265,7 +272,10 @@ def bench(url: str, args: argparse.Namespace) -> dict:
     if "fill" in args.phases:
         upgrade(url)
         print(f"filling {args.records:,} records over 24 h ...", flush=True)
-        result["fill_s"] = round(fill(url, args.records, time.time()), 1)
+        result["fill_s"] = round(fill(url, args.records, time.time(), keys=args.keys), 1)
+    with make_engine(url).connect() as conn:
+        result["keyed_records"] = conn.execute(text("SELECT count(*) FROM request_records WHERE api_key IS NOT NULL")
+                                               ).scalar()
     if "catch-up" in args.phases:
         print("catching up ...", flush=True)
         result["catch_up"] = catch_up(url, args.sample_s)
@@ -312,6 +322,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                            "phases")
     parser.add_argument("--drop", action="store_true", help="remove the --database at the end")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--keys", type=int, default=10, help="API key names that 60%% of the records carry (0: none)")
     parser.add_argument("--sample-s", type=float, default=15.0, help="how often figures are taken while catching up")
     parser.add_argument("--baseline-windows", nargs="*", default=["5m", "1h"])
     parser.add_argument("--json", help="write the result here too")

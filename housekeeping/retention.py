@@ -9,7 +9,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, Engine, delete, select
 
-from models import DirtyMinute, LatencyHistogram, RequestRecord, SlowRequest, TrafficSummary
+from models import DirtyMinute, KeyUsage, LatencyHistogram, RequestRecord, SlowRequest, TrafficSummary
 
 from . import lease
 
@@ -65,7 +65,7 @@ def delete_summaries(engine: Engine, holder: str, ttl_s: float, cutoffs: Cutoffs
     with engine.begin() as conn:
         if not lease.renew(conn, holder, ttl_s):
             return False
-        for table in (LatencyHistogram, TrafficSummary):
+        for table in (LatencyHistogram, TrafficSummary, KeyUsage):
             conn.execute(delete(table).where(table.level == 10, table.start < cutoffs.fine))
             conn.execute(delete(table).where(table.level > 10, table.start < cutoffs.summaries))
         # The slowest requests name records: they go with them.

@@ -1,8 +1,9 @@
 """The roll-up: recompute the summaries of every minute whose records changed (dirty_minutes), newest first.
 
 A minute's 10-second and 1-minute slots are computed from its records by the database (histogram buckets,
-counts, sums, its slowest requests; each record's latencies worked out once, into a temporary table); 15-minute and 1-hour slots are merged from the slots below them. A minute
-is replaced whole, so running it twice changes nothing; it is only marked clean if its version did not change
+counts, sums, requests and tokens per API key, its slowest requests; each record's latencies worked out once,
+into a temporary table); 15-minute and 1-hour slots are merged from the slots below them. A minute is replaced
+whole, so running it twice changes nothing; it is only marked clean if its version did not change
 while its records were read, so a record written meanwhile is summarised by the next round.
 """
 
@@ -17,7 +18,7 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, Engine, bindparam, delete, insert, select, text
 
-from models import DirtyMinute, LatencyHistogram, SlowRequest, TrafficSummary, UTCDateTime
+from models import DirtyMinute, KeyUsage, LatencyHistogram, SlowRequest, TrafficSummary, UTCDateTime
 
 from . import histogram, lease
 from .sql import Spelling
@@ -32,8 +33,22 @@ JOB = "rollup"
 
 
 @dataclass
+class KeyFigures:
+    """One API key's requests and tokens in a time slot."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, other: KeyFigures) -> None:
+        self.requests += other.requests
+        self.prompt_tokens += other.prompt_tokens
+        self.completion_tokens += other.completion_tokens
+
+
+@dataclass
 class Slot:
-    """The figures of one time slot: one histogram per latency, counts and sums."""
+    """The figures of one time slot: one histogram per latency, counts and sums, and per API key (by name)."""
 
     histograms: dict[str, Counter] = field(default_factory=lambda: {m: Counter() for m in LATENCIES})
     requests: int = 0
@@ -43,6 +58,7 @@ class Slot:
     cached_tokens: int = 0
     batch_size_sum: float = 0.0
     batch_size_count: int = 0
+    keys: dict[str, KeyFigures] = field(default_factory=dict)
 
     def add(self, other: Slot) -> None:
         for name in LATENCIES:
@@ -54,6 +70,8 @@ class Slot:
         self.cached_tokens += other.cached_tokens
         self.batch_size_sum += other.batch_size_sum
         self.batch_size_count += other.batch_size_count
+        for name, figures in other.keys.items():
+            self.keys.setdefault(name, KeyFigures()).add(figures)
 
 
 def _utc(seconds: int) -> datetime:
@@ -83,7 +101,7 @@ class Queries:
             latencies.append(f"CASE WHEN {defined} THEN {expr} END AS {name}")
         self.rows = text(
             f"CREATE TEMPORARY TABLE rollup_rows AS SELECT {s.seconds('finished_at')} / {FINE} * {FINE} AS slot, "
-            f"request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, batch_size, "
+            f"request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, batch_size, api_key, "
             f"{', '.join(latencies)} FROM request_records WHERE finished_at >= :lo AND finished_at < :hi"
         ).bindparams(bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
         # Qualified: never a table of that name outside this connection's temporary schema.
@@ -94,6 +112,9 @@ class Queries:
         self.traffic = text(
             "SELECT slot, finish_reason, count(*), sum(prompt_tokens), sum(completion_tokens), sum(cached_tokens), "
             "sum(batch_size), count(batch_size) FROM rollup_rows GROUP BY slot, finish_reason")
+        self.keys = text(
+            "SELECT slot, api_key, count(*), sum(prompt_tokens), sum(completion_tokens) FROM rollup_rows "
+            "WHERE api_key IS NOT NULL GROUP BY slot, api_key")
         self.slowest = text(
             f"SELECT minute, request_id, e2e FROM (SELECT slot / 60 AS minute, request_id, e2e, row_number() "
             f"OVER (PARTITION BY slot / 60 ORDER BY e2e DESC, request_id) AS n FROM rollup_rows) AS ranked "
@@ -140,6 +161,8 @@ def compute(conn: Connection, minutes: Iterable[int]) -> tuple[dict[tuple[int, i
                 slot.cached_tokens += cached or 0
                 slot.batch_size_sum += batch_sum or 0.0
                 slot.batch_size_count += batch_n or 0
+            for start, name, n, prompt, completion in conn.execute(q.keys):
+                _slot(slots, (FINE, int(start))).keys[name] = KeyFigures(n, prompt or 0, completion or 0)
             slow += [{"minute": int(m), "request_id": rid, "e2e": e2e} for m, rid, e2e in conn.execute(q.slowest)]
         finally:
             conn.execute(q.drop)
@@ -148,7 +171,7 @@ def compute(conn: Connection, minutes: Iterable[int]) -> tuple[dict[tuple[int, i
     return slots, slow
 
 
-def _rows(level: int, start: int, slot: Slot) -> tuple[list[dict], dict]:
+def _rows(level: int, start: int, slot: Slot) -> tuple[list[dict], dict, list[dict]]:
     hists = [{"level": level, "start": start, "metric": name, "count": sum(h.values()),
               "counts": histogram.encode(h)} for name, h in slot.histograms.items() if h]
     traffic = {"level": level, "start": start, "requests": slot.requests,
@@ -156,26 +179,32 @@ def _rows(level: int, start: int, slot: Slot) -> tuple[list[dict], dict]:
                "prompt_tokens": slot.prompt_tokens, "completion_tokens": slot.completion_tokens,
                "cached_tokens": slot.cached_tokens, "batch_size_sum": slot.batch_size_sum,
                "batch_size_count": slot.batch_size_count}
-    return hists, traffic
+    keys = [{"level": level, "start": start, "api_key": name, "requests": k.requests,
+             "prompt_tokens": k.prompt_tokens, "completion_tokens": k.completion_tokens}
+            for name, k in sorted(slot.keys.items())]
+    return hists, traffic, keys
 
 
 def _replace(conn: Connection, level: int, starts: list[int], slots: dict[tuple[int, int], Slot]) -> None:
     """Make the stored slots of `level` at `starts` equal `slots` (an empty slot is stored as no row)."""
     if not starts:
         return
-    for table in (LatencyHistogram, TrafficSummary):
+    for table in (LatencyHistogram, TrafficSummary, KeyUsage):
         conn.execute(delete(table).where(table.level == level, table.start.in_(starts)))
-    hists, traffic = [], []
+    hists, traffic, keys = [], [], []
     for start in starts:
         slot = slots.get((level, start))
         if slot is not None and slot.requests:
-            h, t = _rows(level, start, slot)
+            h, t, k = _rows(level, start, slot)
             hists += h
             traffic.append(t)
+            keys += k
     if hists:
         conn.execute(insert(LatencyHistogram), hists)
     if traffic:
         conn.execute(insert(TrafficSummary), traffic)
+    if keys:
+        conn.execute(insert(KeyUsage), keys)
 
 
 def read_slots(conn: Connection, level: int, first: int, end: int) -> dict[int, Slot]:
@@ -192,6 +221,11 @@ def read_slots(conn: Connection, level: int, first: int, end: int) -> dict[int, 
         slot.prompt_tokens, slot.completion_tokens, slot.cached_tokens = (row.prompt_tokens, row.completion_tokens,
                                                                           row.cached_tokens)
         slot.batch_size_sum, slot.batch_size_count = row.batch_size_sum, row.batch_size_count
+    for start, name, requests, prompt, completion in conn.execute(
+            select(KeyUsage.start, KeyUsage.api_key, KeyUsage.requests, KeyUsage.prompt_tokens,
+                   KeyUsage.completion_tokens)
+            .where(KeyUsage.level == level, KeyUsage.start >= first, KeyUsage.start < end)):
+        out.setdefault(start, Slot()).keys[name] = KeyFigures(requests, prompt, completion)
     return out
 
 

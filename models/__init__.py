@@ -1,18 +1,21 @@
-"""SQLAlchemy models shared by the web app and the worker: conversations, messages, latency records."""
+"""SQLAlchemy models shared by the web app and the worker: conversations, messages, latency records, API keys."""
 
+from models.api_keys import ApiKey
 from models.base import Base, UTCDateTime, utcnow
 from models.chat import ROLES, Conversation, Message, new_conversation_id
 from models.records import FINISH_REASONS, SOURCES, RequestRecord
-from models.summaries import DirtyMinute, JobState, LatencyHistogram, SlowRequest, TrafficSummary
+from models.summaries import DirtyMinute, JobState, KeyUsage, LatencyHistogram, SlowRequest, TrafficSummary
 
 __all__ = [
     "FINISH_REASONS",
     "ROLES",
     "SOURCES",
+    "ApiKey",
     "Base",
     "Conversation",
     "DirtyMinute",
     "JobState",
+    "KeyUsage",
     "LatencyHistogram",
     "Message",
     "RequestRecord",

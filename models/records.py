@@ -44,6 +44,8 @@ class RequestRecord(Base):
     # Mean number of sequences that shared this request's forward passes.
     batch_size: Mapped[float | None] = mapped_column(Float)
     error: Mapped[str | None] = mapped_column(Text)
+    # The name of the API key a request came with (models/api_keys.py), never the key; kept when the key goes.
+    api_key: Mapped[str | None] = mapped_column(String(64))
 
     @property
     def queue_wait(self) -> float | None:

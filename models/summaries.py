@@ -41,6 +41,19 @@ class TrafficSummary(Base):
     batch_size_count: Mapped[int] = mapped_column(BigInteger)
 
 
+class KeyUsage(Base):
+    """Requests and tokens of one API key (by name) in one time slot (same `level` and `start` as TrafficSummary)."""
+
+    __tablename__ = "key_usage"
+
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    api_key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    requests: Mapped[int] = mapped_column(BigInteger)
+    prompt_tokens: Mapped[int] = mapped_column(BigInteger)
+    completion_tokens: Mapped[int] = mapped_column(BigInteger)
+
+
 class SlowRequest(Base):
     """The slowest requests (end to end) of one minute: a window's slowest are the slowest of its minutes'."""
 

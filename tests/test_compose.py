@@ -70,24 +70,29 @@ def referenced_variables() -> set[str]:
     return names
 
 
-@pytest.fixture(scope="module")
-def compose_config(tmp_path_factory) -> dict:
-    """docker-compose.yml resolved by Compose with .env.example as its .env, every worker's profile on."""
+def resolve(workdir: Path) -> subprocess.CompletedProcess:
+    """`config` of docker-compose.yml with workdir/.env as its .env, every worker's profile on."""
     command = compose_command()
     if command is None:
         pytest.skip("Neither `docker compose` nor `docker-compose` is installed: "
                     "`make compose-tool` installs Debian's docker-compose (apt-get install docker-compose).")
-    workdir = tmp_path_factory.mktemp("compose")
-    shutil.copy(ENV_EXAMPLE, workdir / ".env")
     # Only .env feeds the interpolation: a variable in the caller's environment would override it.
     env = {name: os.environ[name] for name in ("PATH", "HOME", "DOCKER_CONFIG", "LANG") if name in os.environ}
     profiles = [arg for profile in ("gpu", "cpu", *(f"gpu{gpu}" for gpu in PINNED_GPUS))
                 for arg in ("--profile", profile)]
-    result = subprocess.run(
+    return subprocess.run(
         [*command, "--env-file", str(workdir / ".env"), "--project-directory", str(ROOT),
          "-f", str(COMPOSE_FILE), *profiles, "config"],
         capture_output=True, text=True, env=env, cwd=workdir, timeout=120)
-    assert result.returncode == 0, f"{' '.join(command)} config failed:\n{result.stderr}"
+
+
+@pytest.fixture(scope="module")
+def compose_config(tmp_path_factory) -> dict:
+    """docker-compose.yml resolved by Compose with .env.example as its .env, every worker's profile on."""
+    workdir = tmp_path_factory.mktemp("compose")
+    shutil.copy(ENV_EXAMPLE, workdir / ".env")
+    result = resolve(workdir)
+    assert result.returncode == 0, f"compose config failed:\n{result.stderr}"
     return yaml.safe_load(result.stdout)
 
 
@@ -124,7 +129,7 @@ def test_compose_resolves_the_services_of_the_deployment(compose_config):
 def test_web_and_workers_wait_for_the_migration_to_finish(compose_config):
     services = compose_config["services"]
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    assert "alembic" in command_line(services["migrate"]) and "upgrade" in command_line(services["migrate"])
+    assert "alembic upgrade head &&" in command_line(services["migrate"])
     for name in APP_SERVICES:
         depends_on = services[name]["depends_on"]
         assert depends_on["migrate"]["condition"] == "service_completed_successfully", name
@@ -223,6 +228,35 @@ def test_data_services_keep_their_data_in_named_volumes(compose_config):
     assert "--appendonly" in command_line(services["redis"])
 
 
+def test_the_api_always_needs_a_key_made_from_api_key_before_web_starts(compose_config):
+    migrate = compose_config["services"]["migrate"]
+    # After the schema, in the one-shot that web waits for: the key exists before the first request.
+    assert command_line(migrate).endswith("alembic upgrade head && python -m webapp.keys ensure default --from-env "
+                                          "API_KEY")
+    assert service_environment(migrate)["API_KEY"] == PLACEHOLDER
+    # The key reaches only the one-shot that stores its hash, not the long-running services' environment.
+    for name in APP_SERVICES:
+        assert "API_KEY" not in service_environment(compose_config["services"][name]), name
+
+
+def test_compose_refuses_to_run_without_api_key(tmp_path):
+    lines = [line for line in ENV_EXAMPLE.read_text().splitlines() if not line.startswith("API_KEY=")]
+    (tmp_path / ".env").write_text("\n".join(lines) + "\n")
+    result = resolve(tmp_path)
+    assert result.returncode != 0 and "set API_KEY in .env" in result.stderr, result.stderr
+
+
+def test_the_key_in_env_example_is_refused_until_replaced(tmp_path, monkeypatch):
+    from models.db import upgrade
+    from webapp import keys
+
+    active, _ = env_example()
+    monkeypatch.setenv("DATABASE_URL", f"sqlite:///{tmp_path / 'keys.db'}")
+    upgrade()
+    monkeypatch.setenv("API_KEY", active["API_KEY"])
+    assert keys.main(["ensure", "default", "--from-env", "API_KEY"]) == 1
+
+
 def test_every_variable_the_compose_file_reads_is_in_env_example():
     active, commented = env_example()
     missing = referenced_variables() - set(active) - commented
@@ -234,7 +268,7 @@ def test_every_variable_the_compose_file_reads_is_in_env_example():
 
 def test_env_example_holds_placeholders_and_a_consistent_database_url():
     active, _ = env_example()
-    for name in ("SECRET_KEY", "OPERATOR_PASSWORD", "METRICS_TOKEN", "POSTGRES_PASSWORD"):
+    for name in ("SECRET_KEY", "OPERATOR_PASSWORD", "METRICS_TOKEN", "POSTGRES_PASSWORD", "API_KEY"):
         assert active[name] == PLACEHOLDER, name
     assert active["SUPPORTBOT_ENV"] == "production"
     assert active["COMPOSE_PROFILES"] in ("gpu", "cpu")

@@ -18,6 +18,8 @@ def test_the_dashboard_benchmark_runs_end_to_end(tmp_path):
     assert result["catch_up"]["samples"][0]["catching_up"] is True
     assert result["catch_up"]["samples"][-1]["catching_up"] is False
     assert result["web"]["windows"]["24h"]["requests"] == 3000
+    assert result["web"]["windows"]["24h"]["keyed_requests"] == result["keyed_records"] > 0
+    assert result["web"]["windows"]["24h"]["keys_listed"] == 10
     assert set(result["web"]["windows"]) == {"5m", "1h", "24h", "7d"}
     for window, base in result["previous_way"].items():
         assert base["records"] == result["web"]["windows"][window]["requests"]

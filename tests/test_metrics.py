@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.clients import ChatClient
+from models.db import upgrade
 from webapp import create_app
 from webapp.metrics import merge_snapshots
 from worker.engine import EngineStats, RequestFinished
@@ -148,6 +149,7 @@ def test_any_web_app_serves_what_the_workers_published(tmp_path, redis_url):
         m.publish(r, stats())
         assert 0 < r.ttl(snapshot_key(name)) <= 10, "a dead worker's figures must expire"
     r.rpush("generate", "a", "b", "c")
+    upgrade(f"sqlite:///{tmp_path / 'm.db'}")   # every /v1 request first looks up the API keys there
     apps = [create_app({"DATABASE_URL": f"sqlite:///{tmp_path / 'm.db'}", "REDIS_URL": redis_url,
                         "OPERATOR_PASSWORD": "an operator password", "METRICS_TOKEN": TOKEN}) for _ in range(2)]
     # Refused API calls are counted by outcome, in Redis, whichever process answered them.

@@ -13,7 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, inspect, select, text
 from sqlalchemy.exc import IntegrityError, StatementError
 
-from models import Base, Conversation, Message, RequestRecord
+from models import ApiKey, Base, Conversation, Message, RequestRecord
 from models.db import default_database_url, make_engine, make_session_factory, upgrade
 
 EXPECTED_INDEXES = {
@@ -62,12 +62,48 @@ def test_upgrade_creates_schema_matching_models(db_url: str, tmp_path, monkeypat
             assert indexes == expected, table
         unique = {tuple(uq["column_names"]) for uq in inspector.get_unique_constraints("messages")}
         assert ("request_id",) in unique
+        unique = {tuple(uq["column_names"]) for uq in inspector.get_unique_constraints("api_keys")}
+        assert {("name",), ("key_hash",)} <= unique
 
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
             context = MigrationContext.configure(conn, opts={"compare_type": True})
             diff = compare_metadata(context, Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
+    finally:
+        engine.dispose()
+
+
+def test_the_api_keys_revision_goes_down_and_up_again_keeping_records_and_triggers(db_url: str) -> None:
+    from alembic import command
+
+    from models.db import alembic_config
+
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    t0 = datetime(2026, 3, 4, 5, 6, 7, tzinfo=UTC)
+    try:
+        with make_session_factory(engine)() as session:
+            session.add(ApiKey(name="k", key_hash="a" * 64, prefix="sb-aaaa…", rate_limit="5/minute"))
+            session.add(RequestRecord(request_id="keyed", source="api", enqueued_at=t0, api_key="k"))
+            session.commit()
+        command.downgrade(alembic_config(db_url), "0002")
+        inspector = inspect(engine)
+        assert not {"api_keys", "key_usage"} & set(inspector.get_table_names())
+        assert "api_key" not in {c["name"] for c in inspector.get_columns("request_records")}
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT count(*) FROM request_records")).scalar_one() == 1
+            # 0002's update trigger is whole again: a record that finishes marks its minute.
+            conn.execute(text("UPDATE request_records SET finished_at = :t"), {"t": t0})
+            assert conn.execute(text("SELECT minute FROM dirty_minutes")).scalars().all() == [int(t0.timestamp()) // 60]
+            conn.execute(text("DELETE FROM dirty_minutes"))
+        upgrade(db_url)
+        with engine.begin() as conn:
+            assert conn.execute(text("SELECT api_key FROM request_records")).scalar_one() is None
+            # ... and the new one watches the key's name too.
+            conn.execute(text("UPDATE request_records SET api_key = 'other'"))
+            assert conn.execute(text("SELECT count(*) FROM dirty_minutes")).scalar_one() == 1
+            assert conn.execute(text("SELECT count(*) FROM api_keys")).scalar_one() == 0
     finally:
         engine.dispose()
 

@@ -95,7 +95,8 @@ def inline_code(html: str) -> list[str]:
 def html_pages(app):
     operator = logged_in_client(app)
     return {"/": app.test_client().get("/"), "/login": app.test_client().get("/login"),
-            "/dashboard": operator.get("/dashboard"), "/?c=unknown": app.test_client().get("/?c=" + "0" * 32)}
+            "/dashboard": operator.get("/dashboard"), "/dashboard/keys": operator.get("/dashboard/keys"),
+            "/?c=unknown": app.test_client().get("/?c=" + "0" * 32)}
 
 
 def test_every_html_page_has_a_strict_csp_and_no_inline_code(make_app):

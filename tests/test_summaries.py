@@ -15,7 +15,7 @@ from sqlalchemy import event, func, insert, select, text, update
 
 from housekeeping import histogram, lease, retention, rollup
 from housekeeping.__main__ import Settings, run
-from models import DirtyMinute, RequestRecord, TrafficSummary
+from models import ApiKey, DirtyMinute, RequestRecord, TrafficSummary
 from models.db import make_engine, upgrade
 from webapp import aggregates
 
@@ -154,6 +154,38 @@ def test_the_dashboard_says_it_is_catching_up_rather_than_showing_partial_figure
     body = figures(engine, "1h", now)
     assert body["summaries"]["catching_up"] is False and body["totals"]["requests"] == 300
     assert None not in body["series"]["requests_per_minute"]
+
+
+def test_usage_per_api_key_matches_the_records_in_every_window(engine):
+    now = time.time()
+    rows = record_rows(3000, now - 5 * 86400, now - 1, seed=11)
+    for i, row in enumerate(rows):
+        row["api_key"] = ("alpha", "beta", "gamma.team", None)[i % 4]
+    load(engine, rows)
+    with engine.begin() as conn:   # a key that exists but was not used shows too, at 0
+        conn.execute(insert(ApiKey).values(name="idle", key_hash="0" * 64, prefix="sb-idle…", created_at=at(now)))
+    rollup.summarise(engine)
+    for window in aggregates.WINDOWS:
+        body = figures(engine, window, now)
+        first = body["series"]["t"][0]
+        want = {"idle": [0, 0, 0]}
+        for r in exact(engine, first):
+            if r.api_key:
+                got = want.setdefault(r.api_key, [0, 0, 0])
+                got[0], got[1], got[2] = got[0] + 1, got[1] + r.prompt_tokens, got[2] + r.completion_tokens
+        usage = {k["name"]: [k["requests"], k["prompt_tokens"], k["completion_tokens"]] for k in body["api_keys"]}
+        assert usage == want, window
+        assert [k["requests"] for k in body["api_keys"]] == sorted((k["requests"] for k in body["api_keys"]),
+                                                                   reverse=True)
+        assert {k["name"] for k in body["api_keys"] if k["deleted"]} == set(want) - {"idle"}
+    # A record's key changed after it was summarised (whoever writes it): its minute is summarised again.
+    before = {k["name"]: k["requests"] for k in figures(engine, "7d", now)["api_keys"]}
+    with engine.begin() as conn:
+        conn.execute(update(RequestRecord).where(RequestRecord.request_id == "r0").values(api_key="beta"))
+    assert figures(engine, "7d", now)["api_keys"] is None, "catching up: no partial figures"
+    rollup.summarise(engine)
+    after = {k["name"]: k["requests"] for k in figures(engine, "7d", now)["api_keys"]}
+    assert after["alpha"] == before["alpha"] - 1 and after["beta"] == before["beta"] + 1
 
 
 def test_several_housekeeping_processes_and_a_writer_agree_with_the_records(engine):

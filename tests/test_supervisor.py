@@ -41,6 +41,9 @@ def test_supervisor_restarts_a_killed_worker_and_stops_everything(tmp_path, tiny
         wait_for(lambda: requests.get(url + "/readyz", timeout=2).ok, 120, "make run", proc, log)
         assert any("redis-server" in " ".join(c.cmdline()) for c in supervisor.children(recursive=True))
         assert any("housekeeping" in " ".join(c.cmdline()) for c in supervisor.children())
+        assert (f"the OpenAI-compatible API at {url}/v1 is open to anyone who can reach it; create a key with: "
+                f"{os.path.relpath(sys.executable, ROOT) if sys.executable.startswith(str(ROOT)) else sys.executable}"
+                " -m webapp.keys create NAME") in log.read_text()
         client = ChatClient(url)
         first = client.ask("Do you have gift cards?")["done"]
 

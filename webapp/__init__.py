@@ -51,7 +51,7 @@ def create_app(overrides: dict | None = None) -> Flask:
     stream = app.extensions["stream"] = StreamQueue(app.config["REDIS_URL"])
     socketio.init_app(app, client_manager=stream, async_mode=async_mode(), max_http_buffer_size=SOCKET_BUFFER_BYTES)
 
-    from . import api, auth, chat, dashboard, health, limits, metrics, security
+    from . import api, auth, chat, dashboard, health, keyring, limits, metrics, security
     try:
         limits.init_app(app)
     except ValueError as exc:
@@ -59,6 +59,7 @@ def create_app(overrides: dict | None = None) -> Flask:
     security.init_app(app)
     security.trust_proxies(app)   # outermost, so Socket.IO connections see the client's address too
     app.register_blueprint(chat.bp)
+    keyring.init_app(app)   # before every /v1 request: its API key
     api.init_app(app)
     app.register_blueprint(health.bp)
     auth.init_app(app)

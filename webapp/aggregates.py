@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from housekeeping import histogram, lease, rollup
 from housekeeping.sql import Spelling
-from models import FINISH_REASONS, DirtyMinute, RequestRecord, SlowRequest, UTCDateTime
+from models import FINISH_REASONS, ApiKey, DirtyMinute, RequestRecord, SlowRequest, UTCDateTime
 from messaging.contract import HEARTBEAT_PREFIX, QUEUE
 
 
@@ -133,6 +133,23 @@ def totals(total: rollup.Slot | None, seconds: float) -> dict:
     }
 
 
+def key_usage(db: Session, total: rollup.Slot | None) -> list[dict] | None:
+    """Requests and tokens per API key over the window, from the summaries: every key there is (unused ones at
+    0) and any deleted key that was used; busiest first. None while catching up."""
+    if total is None:
+        return None
+    keys = {name: (prefix, revoked is not None)
+            for name, prefix, revoked in db.execute(select(ApiKey.name, ApiKey.prefix, ApiKey.revoked_at))}
+    rows = []
+    for name in keys.keys() | total.keys.keys():
+        used = total.keys.get(name, rollup.KeyFigures())
+        prefix, revoked = keys.get(name, (None, None))
+        rows.append({"name": name, "prefix": prefix, "revoked": revoked, "deleted": name not in keys,
+                     "requests": used.requests, "prompt_tokens": used.prompt_tokens,
+                     "completion_tokens": used.completion_tokens})
+    return sorted(rows, key=lambda r: (-r["requests"], r["name"]))
+
+
 def _slowest_in(db: Session, lo: float, hi: float, limit: int) -> list[tuple[str, float]]:
     """The slowest requests that finished in [lo, hi), straight from the records (a short range)."""
     e2e = Spelling(db.get_bind().dialect.name).latency("e2e")[0]
@@ -241,4 +258,5 @@ def figures(db: Session, r: redis.Redis | None, window: str, now: float | None =
         "series": series(slots, starts, bucket, now, incomplete),
         "slowest": [asdict(t) for t in slowest(db, first, now, state)],
         "recent_errors": recent_errors(db, first),
+        "api_keys": key_usage(db, total),
     }

@@ -12,7 +12,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from messaging.contract import HEARTBEAT_PREFIX
 
-from . import limits, queue
+from . import keyring, limits, queue
 from .queue import UserError
 from .security import clean_text
 
@@ -66,10 +66,9 @@ def too_large() -> UserError:
 
 
 def api_session() -> str | None:
-    """An API client's "session" for rate limits: its address and bearer token (many clients share a dummy key)."""
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    token = token.strip() if scheme.lower() == "bearer" else ""
-    return f"{limits.client_address()} {token}" if token else None
+    """An API client's "session" for rate limits: its address and its key (webapp/keyring.py), never the key itself."""
+    key = keyring.session_part()
+    return f"{limits.client_address()} {key}" if key else None
 
 
 def read_json() -> dict:
@@ -235,7 +234,7 @@ def take_request():
     """Check, store and queue a completion request; its Taken, or the error response."""
     try:
         # Counted before the body is read, so floods of malformed requests are throttled too.
-        limits.limit_message(api_session())
+        limits.limit_message(api_session(), keyring.rate_limit())
         body = read_json()
         check_fields(body)
         messages, params = parse_messages(body), parse_params(body)
@@ -250,7 +249,7 @@ def take_request():
             raise UserError("invalid_value", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
         model = model or served_models()[0]
         queue.check_room()
-        job = queue.new_job(messages, params, source="api", channel=True)
+        job = queue.new_job(messages, params, source="api", channel=True, api_key=keyring.current_name())
         with current_app.extensions["db"]() as db:
             db.add(queue.record_for(job))
             db.commit()

@@ -1,11 +1,11 @@
-"""The operators' latency dashboard: the page, and the JSON it polls for every figure it shows."""
+"""The operators' latency dashboard: the page, the JSON it polls for every figure it shows, and the API keys page."""
 
 from __future__ import annotations
 
-from flask import Blueprint, current_app, render_template, request
+from flask import Blueprint, current_app, flash, redirect, render_template, request, url_for
 
-from . import aggregates
-from .auth import operator_required
+from . import aggregates, keys
+from .auth import check_csrf, operator_required
 
 bp = Blueprint("dashboard", __name__, url_prefix="/dashboard")
 
@@ -35,3 +35,49 @@ def data():
     with current_app.extensions["db"]() as db:
         body = aggregates.figures(db, current_app.extensions["redis"], window)
     return body, 200, {"Cache-Control": "no-store"}
+
+
+def keys_page(status: int = 200, created: tuple | None = None, error: str | None = None, form: dict | None = None):
+    """The keys page; a key just created is in this one response only (never stored, never cached)."""
+    with current_app.extensions["db"]() as db:
+        rows = keys.all_keys(db)
+        status_line = keys.api_status(db, request.host_url.rstrip("/") + "/v1",
+                                      current_app.config.get("SUPPORTBOT_ENV") == "production")
+    html = render_template("keys.html", keys=rows, created=created, error=error, form=form or {}, when=keys.when,
+                           status_line=status_line, api_base=request.host_url.rstrip("/") + "/v1",
+                           operator=current_app.config["OPERATOR_USERNAME"])
+    return html, status, {"Cache-Control": "no-store"}
+
+
+@bp.get("/keys")
+@operator_required(page=True)
+def api_keys():
+    return keys_page()
+
+
+@bp.post("/keys")
+@operator_required(page=True)
+def create_key():
+    check_csrf()
+    form = {"name": request.form.get("name", ""), "rate_limit": request.form.get("rate_limit", "")}
+    try:
+        with current_app.extensions["db"]() as db:
+            key, secret = keys.create(db, form["name"], form["rate_limit"] or None)
+            created = (key.name, secret)
+    except keys.KeyCommandError as exc:
+        return keys_page(400, error=str(exc), form=form)
+    return keys_page(201, created=created)
+
+
+@bp.post("/keys/<name>/revoke")
+@operator_required(page=True)
+def revoke_key(name: str):
+    check_csrf()
+    try:
+        with current_app.extensions["db"]() as db:
+            key, now = keys.revoke(db, name)
+    except keys.KeyCommandError as exc:
+        return keys_page(404, error=str(exc))
+    flash(f"Revoked the key {key.name!r} ({key.prefix}): every web process refuses it within a few seconds."
+          if now else f"The key {key.name!r} was revoked already.")
+    return redirect(url_for("dashboard.api_keys"), 303)

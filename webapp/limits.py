@@ -225,12 +225,15 @@ def digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8", "replace")).hexdigest()[:32]
 
 
-def limit_message(session_key: str | None) -> None:
-    """One chat message or completion: counted per session (when there is one) and per client address."""
+def limit_message(session_key: str | None, per_key: tuple[str, Rule] | None = None) -> None:
+    """One chat message or completion: counted per session (when there is one) and per client address, and for an
+    API key with a limit of its own per key (by its id, never the key): all at once, so a refusal costs none."""
     lim: Limits = current_app.extensions["limits"]
     checks = [(f"messages:ip:{client_address()}", lim.per_ip)]
     if session_key:
         checks.append((f"messages:session:{digest(session_key)}", lim.per_session))
+    if per_key:
+        checks.append((f"messages:key:{per_key[0]}", per_key[1]))
     check(current_app.extensions["redis"], checks, "messages")
 
 

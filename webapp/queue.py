@@ -64,20 +64,20 @@ def check_room() -> None:
 
 
 def new_job(messages: list[dict], params: dict, source: str, conversation_id: str | None = None,
-            channel: bool = False, received_at: float | None = None) -> dict:
+            channel: bool = False, received_at: float | None = None, api_key: str | None = None) -> dict:
     """A request to queue. Its `enqueued_at` (when the message came in, by default now) orders the worker's queue
-    and starts the request's latency clock."""
+    and starts the request's latency clock; `api_key` is the name of the API key it came with."""
     request_id = uuid.uuid4().hex
     # Fixed now, so a redelivery after a worker crash samples the same tokens and resumes the stream.
     params = {**params, "seed": params["seed"] if params.get("seed") is not None else secrets.randbits(63)}
     return {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
             "channel": events_channel(request_id) if channel else None, "source": source,
-            "enqueued_at": received_at or time.time(), "messages": messages, "params": params}
+            "enqueued_at": received_at or time.time(), "messages": messages, "params": params, "api_key": api_key}
 
 
 def record_for(job: dict) -> RequestRecord:
     return RequestRecord(request_id=job["request_id"], conversation_id=job["conversation_id"], source=job["source"],
-                         enqueued_at=datetime.fromtimestamp(job["enqueued_at"], tz=UTC))
+                         enqueued_at=datetime.fromtimestamp(job["enqueued_at"], tz=UTC), api_key=job.get("api_key"))
 
 
 def send(job: dict) -> None:

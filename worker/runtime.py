@@ -191,7 +191,8 @@ class WorkerRuntime:
             record = db.get(RequestRecord, job["request_id"])
             if record is None:   # the web app could not write it (e.g. a direct enqueue): keep one anyway
                 record = RequestRecord(request_id=job["request_id"], conversation_id=job.get("conversation_id"),
-                                       source=job.get("source", "chat"), enqueued_at=utc(job["enqueued_at"]))
+                                       source=job.get("source", "chat"), enqueued_at=utc(job["enqueued_at"]),
+                                       api_key=job.get("api_key"))
                 db.add(record)
             record.model, record.worker = self.model_name, self.settings.name
             record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(done.first_token_time)

@@ -220,6 +220,23 @@
     document.getElementById("errors-empty").hidden = errors.length > 0;
   }
 
+  function renderKeys(keys) {
+    const body = document.querySelector("#api-keys tbody");
+    const rows = keys || [];
+    body.replaceChildren(...rows.map((k) => {
+      const tr = document.createElement("tr");
+      tr.dataset.key = k.name;
+      tr.dataset.revoked = String(Boolean(k.revoked));
+      tr.dataset.deleted = String(k.deleted);
+      const label = k.deleted ? `${k.name} (deleted)` : k.revoked ? `${k.name} (revoked)` : k.name;
+      tr.append(cell("td", label), cell("td", k.prefix || "–", "mono"), cell("td", fmtNumber(k.requests)),
+                cell("td", fmtNumber(k.prompt_tokens)), cell("td", fmtNumber(k.completion_tokens)));
+      return tr;
+    }));
+    // null while catching up: the table empties and says nothing rather than something partial
+    document.getElementById("api-keys-empty").hidden = keys === null || rows.length > 0;
+  }
+
   function render(data) {
     renderLive(data.live);
     renderTotals(data);
@@ -228,6 +245,7 @@
     renderReasons(data.totals.finish_reasons);
     renderSlowest(data.slowest);
     renderErrors(data.recent_errors);
+    renderKeys(data.api_keys);
     root.dataset.generatedAt = String(data.generated_at);
   }
 

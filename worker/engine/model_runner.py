@@ -61,6 +61,7 @@ class ModelRunner:
         self.sizing = sizing.size_for(model, config, self.device, bytes_per_block)   # slots and pool per device
         config.max_num_seqs, self.num_blocks = self.sizing.max_num_seqs, self.sizing.num_blocks
         config.max_num_batched_tokens = self.sizing.max_num_batched_tokens
+        config.overlap_steps = sizing.overlap_for(config, self.device.type)
         # Allocated once; every step writes into it in place. The block past num_blocks is scratch for
         # the padding rows of bucketed decode steps; the block manager never hands it out.
         self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks + 1, config.block_size, head_dim,
@@ -105,7 +106,8 @@ class ModelRunner:
     def describe_steps(self) -> str:
         """How steps run: the attention backend, overlapped or not, and decode graphs (captured, buckets only,
         or none)."""
-        line = f"attention {self.attention_backend}" + ("; steps overlapped" if self.config.overlap_steps else "")
+        line = f"attention {self.attention_backend}"
+        line += "; steps overlapped" if self.config.overlap_steps else "; steps not overlapped"
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"

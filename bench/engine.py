@@ -618,7 +618,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_wanted(args: argparse.Namespace) -> bool:
-    return bool(args.sweep_slots or args.step_profile or args.mixed_profile) or bool({"engine", "engine_best"} - args.skip)
+    profiles = args.sweep_slots or args.step_profile or args.mixed_profile
+    return bool(profiles) or bool({"engine", "engine_best"} - args.skip)
 
 
 def check_engine_importable() -> None:
@@ -881,7 +882,8 @@ def profile_mixed(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     cap = -(-sum(map(len, prompts)) // chunk) + 2 * prefill_steps + 16
     rng = random.Random(1)
     long_ids = [rng.randint(0, NANO_MAX_TOKEN_ID) for _ in range(long_tokens)]
-    blocks = sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts) + -(-(long_tokens + 8) // ENGINE_BLOCK_SIZE) + 1
+    blocks = (sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts)
+              + -(-(long_tokens + 8) // ENGINE_BLOCK_SIZE) + 1)
     config = EngineConfig(max_num_seqs=decodes + 1, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
                           num_blocks=blocks, max_model_len=long_tokens + 8, **setup.engine_options)
     engine = LLMEngine(setup.model, setup.tokenizer, config)

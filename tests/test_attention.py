@@ -75,7 +75,8 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
                                   block_size=block_size, paged=paged)
     if backend == "gather-in-place":   # 5 decode rows padded to a compiled row count; 3 chunks have a prefix
         assert ctx.decode_blocks is None and ctx.decode_block_mask.kv_num_blocks.shape[0] == 8
-        assert [c.length for c in ctx.prefills] == [23] and ctx.prefill_rows.tolist() == list(range(28, 28 + 9 + 1 + 40))
+        assert [c.length for c in ctx.prefills] == [23]
+        assert ctx.prefill_rows.tolist() == list(range(28, 28 + 9 + 1 + 40))
     attention.set_context(ctx)
     try:
         out, _ = attention.paged_attention(Layer(), q[None], k[None], v[None], None)

@@ -4,11 +4,11 @@ A decode-only step of n sequences runs in the smallest bucket >= n: its token id
 slots and context lengths are copied into fixed buffers (one contiguous pinned copy whatever the bucket,
 transfer.StagedBuffer), its block tables are brought up to date in place (block_tables.SlotTables: a
 row's new ids only), the rows past n are padding (they write to a scratch block of the pool and read one
-key of it), and the bucket's captured graph replays. Decode attention either reads the pool in place ("flex", a compiled FlexAttention kernel whose
-block lists are the step's block tables: any context length fits) or gathers each row's blocks up to a
-static width ("gather", MAX_GRAPH_CONTEXT tokens at most). On CPU there are no graphs: with
-EngineConfig.enforce_eager=False the same buffers and buckets run eagerly (how the tests exercise this
-path); by default CPU steps skip it entirely.
+key of it), and the bucket's captured graph replays. Decode attention either reads the pool in place
+("flex", a compiled FlexAttention kernel whose block lists are the step's block tables: any context
+length fits) or gathers each row's blocks up to a static width ("gather", MAX_GRAPH_CONTEXT tokens at
+most). On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and buckets
+run eagerly (how the tests exercise this path); by default CPU steps skip it entirely.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ RSS_INTERVAL_S = 0.02
 COLORS = {"static": "#888888", "transformers_cb": "#4c72b0", "engine": "#dd8452", "engine_best": "#55a868",
           "engine_dense": "#c44e52"}
 METRIC_KEYS = ("tokens_per_s", "wall_s", "e2e_p50_s", "e2e_p95_s", "ttft_p50_s", "ttft_p95_s",
-               "peak_rss_mb", "greedy_matches", "requests")
+               "peak_rss_mb", "peak_device_mb", "greedy_matches", "requests")
 
 
 @dataclass
@@ -73,6 +73,7 @@ class Run:
     completions: dict[str, Completion]
     wall_s: float
     peak_rss_mb: float = 0.0
+    peak_device_mb: float | None = None   # CUDA: the most memory torch held at once during the run
     occupancy: list[tuple[float, int]] = field(default_factory=list)
 
 
@@ -87,6 +88,7 @@ class Setup:
     ignore_eos: bool = False      # every request runs to its cap
     engine_options: dict = field(default_factory=dict)   # EngineConfig fields from --decode
     budget: int = 512             # tokens per step for the engine and transformers CB (--budget)
+    auto_pool: bool = False       # --pool auto: the engine sizes its KV pool itself, as the worker does
 
     @property
     def stop_ids(self) -> set[int]:
@@ -222,6 +224,7 @@ def summarize(run: Run, requests: list[Request], eos_ids: set[int],
         "ttft_p50_s": percentile(ttft, 50) if has_ttft else None,
         "ttft_p95_s": percentile(ttft, 95) if has_ttft else None,
         "peak_rss_mb": run.peak_rss_mb,
+        "peak_device_mb": run.peak_device_mb,
         "greedy_matches": matches,
         "requests": len(run.completions),
     }
@@ -231,9 +234,14 @@ def measured(method: Callable[..., Run]) -> Callable[..., Run]:
     """Wrap a method so its whole run (setup included) is RSS-sampled."""
 
     def wrapper(*args, **kwargs) -> Run:
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         with peak_rss() as peak:
             run = method(*args, **kwargs)
         run.peak_rss_mb = peak[0]
+        if cuda:
+            run.peak_device_mb = torch.cuda.max_memory_allocated() / 2**20
         return run
 
     return wrapper
@@ -382,8 +390,9 @@ def collect_cb(manager, requests: list[Request], eos_token_id: int | None = None
 def run_engine(setup: Setup, slots: int, budget: int, name: str = "engine", pack: bool = True) -> Run:
     from worker.engine import EngineConfig, LLMEngine
 
-    # The pool is sized by the same rule as transformers_cb's, so peak memory compares like for like.
-    blocks = cb_num_blocks(setup.requests, slots, ENGINE_BLOCK_SIZE)
+    # The pool is sized by the same rule as transformers_cb's, so peak memory compares like for like; or, with
+    # --pool auto, by the engine's own rule (a share of the free GPU memory less its reserve for a step).
+    blocks = None if setup.auto_pool else cb_num_blocks(setup.requests, slots, ENGINE_BLOCK_SIZE)
     config = EngineConfig(max_num_seqs=slots, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
                           num_blocks=blocks, pack_cpu_linears=pack, **setup.engine_options)
     engine = LLMEngine(setup.model, setup.tokenizer, config)
@@ -396,7 +405,8 @@ def run_engine(setup: Setup, slots: int, budget: int, name: str = "engine", pack
 def drive_engine(setup: Setup, engine, name: str) -> Run:
     from worker.engine import SamplingParams
 
-    print(f"{name}: {engine.runner.describe_steps()}", file=sys.stderr, flush=True)
+    print(f"{name}: {engine.runner.describe_steps()}; KV pool {engine.runner.num_blocks} blocks sized by "
+          f"{engine.runner.sizing.describe(engine.config)}", file=sys.stderr, flush=True)
     start = time.time()
     for request in setup.requests:
         engine.add_request(request.id, prompt_token_ids=request.prompt_ids,
@@ -558,6 +568,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="e.g. 16,64,256: time the engine's decode step at each number of running sequences, "
                              "wall time against device busy time from the profiler, greedy and sampled")
     parser.add_argument("--profile-steps", type=int, default=8, help="--step-profile: decode steps measured")
+    parser.add_argument("--mixed-profile", type=int, default=None, metavar="TOKENS",
+                        help="e.g. 20000: time the steps that prefill one prompt of TOKENS random ids beside --slots "
+                             "decodes (chunks of --budget tokens), with the most device memory they held")
+    parser.add_argument("--pool", choices=("fit", "auto"), default="fit",
+                        help="the engine's KV pool: sized to fit the workload like transformers CB's (fit), or by "
+                             "the engine's own rule, a share of the free GPU memory less its reserve (auto)")
     parser.add_argument("--skip", default="", help=f"comma-separated, from: {','.join(SKIPPABLE)}")
     parser.add_argument("--sweep-slots", default=None,
                         help="e.g. 1,2,4,8,16,32: measure only the engine at each slot count (no reference run)")
@@ -569,7 +585,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "sort (default: 256 on CPU, a full sort elsewhere)")
     parser.add_argument("--overlap", choices=("on", "off"), default=None,
                         help="the engine's overlapped steps (EngineConfig.overlap_steps): the next step runs "
-                             "while this one's tokens are read back (default: off)")
+                             "while this one's tokens are read back (default: the device's, on on CUDA, off on CPU)")
     parser.add_argument("--ablate", action="store_true",
                         help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
@@ -592,9 +608,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--nano-lengths takes LOW,HIGH with LOW <= HIGH, e.g. 100,1024")
     if args.workload != NANO and (args.requests or args.nano_lengths):
         parser.error(f"--requests and --nano-lengths apply to --workload {NANO}; use --limit for a workload file")
-    if args.sweep_slots and args.step_profile:
-        parser.error("--sweep-slots and --step-profile are separate runs; give one")
-    for name in ("slots", "budget", "best_slots", "best_budget", "limit", "requests", "profile_steps"):
+    if sum(1 for mode in (args.sweep_slots, args.step_profile, args.mixed_profile) if mode) > 1:
+        parser.error("--sweep-slots, --step-profile and --mixed-profile are separate runs; give one")
+    for name in ("slots", "budget", "best_slots", "best_budget", "limit", "requests", "profile_steps", "mixed_profile"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -602,7 +618,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def engine_wanted(args: argparse.Namespace) -> bool:
-    return bool(args.sweep_slots or args.step_profile) or bool({"engine", "engine_best"} - args.skip)
+    profiles = args.sweep_slots or args.step_profile or args.mixed_profile
+    return bool(profiles) or bool({"engine", "engine_best"} - args.skip)
 
 
 def check_engine_importable() -> None:
@@ -649,7 +666,9 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     budget = args.budget or device_budget(model.device.type)
     info["budget"] = budget
     setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
-                  ignore_eos=nano, engine_options=options, budget=budget)
+                  ignore_eos=nano, engine_options=options, budget=budget, auto_pool=args.pool == "auto")
+    if args.pool == "auto":
+        info["pool"] = "auto"
     if args.decode:
         info["decode"] = args.decode
     return setup, info
@@ -722,21 +741,60 @@ def device_busy_ms(prof, device: torch.device) -> tuple[str, float]:
     return "cpu_ops", sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000
 
 
-def profile_decode(setup: Setup, seqs: int, sampling: str, steps: int) -> dict:
-    """Fill `seqs` slots, prefill them all, then time decode-only steps: wall clock, then under the profiler."""
+def device_activity(prof, steps: int) -> dict:
+    """On a GPU, per step: host-to-device copies by source memory (a pageable one is staged and waited for;
+    the step buffers are meant to be pinned), and the five kernels that took the most time."""
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    copies: dict[str, int] = {}
+    kernels: dict[str, float] = {}
+    for e in events:
+        if e.name.startswith("Memcpy HtoD"):
+            copies[e.name] = copies.get(e.name, 0) + 1
+        kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / 1000
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:5]
+    return {"h2d_copies_per_step": {k: v / steps for k, v in sorted(copies.items())},
+            "top_kernels_ms_per_step": {k[:80]: v / steps for k, v in top}}
+
+
+def table_writers(engine) -> list:
+    """The engine's block tables that persist on the device (block_tables.SlotTables)."""
+    runner = engine.runner
+    found = []
+    for paged in (getattr(runner.decode_graphs, "paged", None), runner.paged):
+        if paged is not None and paged.slots not in found:
+            found.append(paged.slots)
+    tables = getattr(runner.decode_graphs, "tables", None)
+    return found + ([tables] if tables is not None else [])
+
+
+def decode_path(engine, seqs: int) -> dict:
+    """Which static bucket and compiled decode row count a step of `seqs` sequences takes (None: eager)."""
+    graphs = engine.runner.decode_graphs
+    if graphs is None or not graphs.fits(seqs, 1):
+        return {"bucket": None, "kernel_rows": None}
+    bucket = graphs.bucket(seqs)
+    return {"bucket": bucket, "kernel_rows": graphs.paged.rows_for(bucket) if graphs.paged is not None else None}
+
+
+def profile_decode(setup: Setup, seqs: int, slots: int, sampling: str, steps: int) -> dict:
+    """Fill `seqs` of `slots` slots, prefill them all, then time decode-only steps: wall clock, then under the
+    profiler. With fewer sequences than slots the steps run in a smaller bucket, as they do in service."""
     from worker.engine import EngineConfig, LLMEngine
 
     prompts = [setup.requests[i % len(setup.requests)].prompt_ids for i in range(seqs)]
-    budget = max(BEST_BUDGET, 2 * seqs)
+    budget = max(BEST_BUDGET, 2 * slots)
     # Sequences that finish prefill early decode while the rest prefill: their caps cover that, then the
     # measured steps, so no sequence ends (and no slot empties) before the measurement does.
     cap = -(-sum(map(len, prompts)) // (budget - seqs)) + 2 * steps + 8
-    blocks = sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts) + 1
-    config = EngineConfig(max_num_seqs=seqs, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
+    blocks = None if setup.auto_pool else sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts) + 1
+    config = EngineConfig(max_num_seqs=slots, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
                           num_blocks=blocks, **setup.engine_options)
+    cuda = setup.model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     engine = LLMEngine(setup.model, setup.tokenizer, config)
-    print(f"{seqs} seqs: {engine.runner.describe_steps()}", file=sys.stderr, flush=True)
-    cuda = engine.device.type == "cuda"
+    print(f"{seqs} of {slots} slots: {engine.runner.describe_steps()}; KV pool {engine.runner.num_blocks} blocks "
+          f"sized by {engine.runner.sizing.describe(engine.config)}", file=sys.stderr, flush=True)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     try:
         for i, ids in enumerate(prompts):
@@ -750,6 +808,8 @@ def profile_decode(setup: Setup, seqs: int, sampling: str, steps: int) -> dict:
             engine.step()
         for _ in range(2):   # warm: allocator, first-use kernels
             engine.step()
+        writers = table_writers(engine)
+        written = sum(t.entries_written for t in writers)
         walls = []
         for _ in range(steps):
             sync()
@@ -759,25 +819,34 @@ def profile_decode(setup: Setup, seqs: int, sampling: str, steps: int) -> dict:
             walls.append(time.perf_counter() - start)
             if not decoding():
                 raise RuntimeError(f"the step at {seqs} sequences stopped being decode-only")
+        written = sum(t.entries_written for t in writers) - written
         activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
         with torch.profiler.profile(activities=activities) as prof:
             for _ in range(steps):
                 engine.step()
             sync()
         busy_kind, busy = device_busy_ms(prof, engine.device)
+        extra = device_activity(prof, steps) if cuda else {}
+        if cuda:   # the pool, the graphs and every step so far, against what the device holds
+            extra["peak_device_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            extra["device_total_mb"] = torch.cuda.mem_get_info()[1] / 2**20
+        path = decode_path(engine, seqs)
     finally:
         engine.release_model()
     wall_ms = 1000 * sum(walls) / len(walls)
-    return {"seqs": seqs, "sampling": sampling, "wall_ms": wall_ms, "wall_p50_ms": 1000 * percentile(walls, 50),
-            "busy_kind": busy_kind, "busy_ms": busy / steps, "wall_over_busy": wall_ms / (busy / steps),
-            "steps": steps}
+    return {"seqs": seqs, "slots": slots, "sampling": sampling, **path, "wall_ms": wall_ms,
+            "wall_p50_ms": 1000 * percentile(walls, 50), "busy_kind": busy_kind, "busy_ms": busy / steps,
+            "wall_over_busy": wall_ms / (busy / steps), "table_ids_per_step": written / steps if writers else None,
+            "steps": steps, **extra}
 
 
 def step_profile(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
-    rows = [profile_decode(setup, n, sampling, args.profile_steps)
+    slots = max(args.step_profile)   # one engine size for every row: smaller counts run in smaller buckets
+    rows = [profile_decode(setup, n, slots, sampling, args.profile_steps)
             for n in args.step_profile for sampling in STEP_SAMPLINGS]
     print()
-    header = ("seqs", "sampling", "wall_ms", "wall_p50_ms", "busy_kind", "busy_ms", "wall_over_busy")
+    header = ("seqs", "sampling", "bucket", "kernel_rows", "wall_ms", "wall_p50_ms", "busy_kind", "busy_ms",
+              "wall_over_busy", "table_ids_per_step")
     print("  ".join(f"{h:>14}" for h in header))
     for row in rows:
         print("  ".join(f"{fmt(row[h]):>14}" for h in header))
@@ -785,12 +854,86 @@ def step_profile(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     for n in args.step_profile:
         greedy, sampled = (next(r for r in rows if r["seqs"] == n and r["sampling"] == s) for s in STEP_SAMPLINGS)
         print(f"{n} seqs: sampled / greedy step wall {sampled['wall_ms'] / greedy['wall_ms']:.2f}x")
+    for row in rows:
+        if "h2d_copies_per_step" in row:
+            print(f"{row['seqs']} seqs {row['sampling']}: host-to-device copies per step "
+                  f"{row['h2d_copies_per_step']}; top kernels (ms per step) {row['top_kernels_ms_per_step']}; "
+                  f"peak memory {fmt(row['peak_device_mb'])} of {fmt(row['device_total_mb'])} MB")
     if rows and rows[0]["busy_kind"] == "cpu_ops":
         print("busy = time inside operators (profiler self CPU time); the rest of the wall is Python and dispatch. "
               "No GPU kernel time on this device.")
     print("transformers_cb: not step-profiled (its steps run inside its own loop thread)")
-    print(describe({**info, "slots": ",".join(map(str, args.step_profile))}))
-    return {**info, "slots": args.step_profile, "step_profile": rows}
+    print(describe({**info, "slots": slots}))
+    return {**info, "slots": slots, "step_profile": rows}
+
+
+def profile_mixed(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
+    """Steps that prefill one long prompt (--mixed-profile tokens, in chunks of the step budget) beside --slots
+    decodes: wall time, device busy time and the most memory held, against the same number of decode-only
+    steps before it."""
+    from worker.engine import EngineConfig, LLMEngine
+
+    decodes, long_tokens, budget = args.slots, args.mixed_profile, setup.budget
+    chunk = budget - decodes
+    if chunk < 1:
+        raise SystemExit(f"--mixed-profile: a budget of {budget} leaves no room for a prompt beside {decodes} decodes")
+    prefill_steps = -(-long_tokens // chunk)
+    prompts = [setup.requests[i % len(setup.requests)].prompt_ids for i in range(decodes)]
+    cap = -(-sum(map(len, prompts)) // chunk) + 2 * prefill_steps + 16
+    rng = random.Random(1)
+    long_ids = [rng.randint(0, NANO_MAX_TOKEN_ID) for _ in range(long_tokens)]
+    blocks = (sum(-(-(len(p) + cap) // ENGINE_BLOCK_SIZE) for p in prompts)
+              + -(-(long_tokens + 8) // ENGINE_BLOCK_SIZE) + 1)
+    config = EngineConfig(max_num_seqs=decodes + 1, max_num_batched_tokens=budget, block_size=ENGINE_BLOCK_SIZE,
+                          num_blocks=blocks, max_model_len=long_tokens + 8, **setup.engine_options)
+    engine = LLMEngine(setup.model, setup.tokenizer, config)
+    print(f"{decodes} decodes beside {long_tokens} prompt tokens: {engine.runner.describe_steps()}",
+          file=sys.stderr, flush=True)
+    cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    result = {"decodes": decodes, "long_tokens": long_tokens, "budget": budget}
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"d{i}", prompt_token_ids=ids, params=step_params("greedy", i, cap))
+        while not (engine.stats().last_batch_seqs == engine.stats().last_batch_tokens == decodes):
+            engine.step()
+        # Warm: a shorter prompt of other ids (nothing for the long one to find cached) compiles the mixed step.
+        engine.add_request("warm", prompt_token_ids=[rng.randint(0, NANO_MAX_TOKEN_ID) for _ in range(2 * chunk)],
+                           params=step_params("greedy", 0, 1))
+        while "warm" in engine.seqs:
+            engine.step()
+        for name, work in (("decode_only", None), ("mixed", long_ids)):
+            if work is not None:
+                engine.add_request("long", prompt_token_ids=work, params=step_params("greedy", 0, 2))
+            sync()
+            before = torch.cuda.memory_allocated() if cuda else 0
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+            walls = []
+            with torch.profiler.profile(activities=activities) as prof:
+                for _ in range(prefill_steps):
+                    start = time.perf_counter()
+                    engine.step()
+                    sync()
+                    walls.append(time.perf_counter() - start)
+            busy_kind, busy = device_busy_ms(prof, engine.device)
+            result[name] = {"steps": prefill_steps, "wall_ms": 1000 * sum(walls) / len(walls),
+                            "busy_kind": busy_kind, "busy_ms": busy / prefill_steps,
+                            "peak_extra_mb": (torch.cuda.max_memory_allocated() - before) / 2**20 if cuda else None}
+        long_seq = engine.seqs.get("long")
+        result["long_prefilled"] = long_seq is None or long_seq.num_computed_tokens >= long_tokens
+    finally:
+        engine.release_model()
+    print()
+    for name in ("decode_only", "mixed"):
+        r = result[name]
+        print(f"{name:>12}: {r['steps']} steps, wall {fmt(r['wall_ms'])} ms, {r['busy_kind']} {fmt(r['busy_ms'])} ms, "
+              f"peak beyond the pool and model {fmt(r['peak_extra_mb'])} MB")
+    print(f"the long prompt prefilled within the mixed steps: {result['long_prefilled']} (profiled steps, "
+          "so walls include the profiler's overhead)")
+    print(describe({**info, "slots": decodes}))
+    return {**info, "mixed_profile": result}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -803,6 +946,8 @@ def main(argv: list[str] | None = None) -> dict:
     warm_up(setup)
     if args.step_profile:
         result = step_profile(args, setup, info)
+    elif args.mixed_profile:
+        result = profile_mixed(args, setup, info)
     elif args.sweep_slots:
         result = sweep(args, setup, info)
     else:

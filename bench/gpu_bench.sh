@@ -1,50 +1,62 @@
-#!/bin/sh
+#!/usr/bin/env bash
 # The GPU benchmarks (docs/BENCHMARKS.md, "GPU") on a CUDA machine that has torch but no package registry.
 #
 # Here: `make gpu-kit` puts the pinned pure-Python and abi3 wheels, and the default model's tokenizer, in
 # .gpu-kit/ (about 25 MB). There, from a copy of this repository with .gpu-kit beside it:
 #
-#   sh bench/gpu_bench.sh PART [OUT]     PART: check | steps | sampler | w256 | nano | budget | backend | overlap | all
+#   bash bench/gpu_bench.sh PART [OUT]
 #
-# Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results).
-set -eu
+# PART: check | steps | sampler | overlap | mixed | memory | w256 | nano | budget | backend | all
+# Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results). Every run of a part is
+# made even when an earlier one fails; the script then exits 1 and names the failed runs (failed.txt).
+set -uo pipefail
 part=${1:-check}
 out=${2:-${OUT:-gpu-results}}
 kit=${GPU_KIT:-.gpu-kit}
 site=${GPU_KIT_SITE:-/tmp/gpu-kit-site}
 py=${PYTHON:-python3}
 mkdir -p "$out"
+failed=()
 
 if [ ! -f "$site/.installed" ]; then
     # A wheel is a zip of what goes on the path: unpacking it needs no pip.
-    for wheel in "$kit"/wheels/*.whl; do "$py" -m zipfile -e "$wheel" "$site"; done
+    for wheel in "$kit"/wheels/*.whl; do
+        "$py" -m zipfile -e "$wheel" "$site" || { echo "cannot unpack $wheel" >&2; exit 1; }
+    done
     touch "$site/.installed"
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-"$py" - <<'EOF' | tee "$out/versions.txt"
+"$py" - <<'EOF' | tee "$out/versions.txt" || exit 1
 import platform, torch, transformers, tokenizers
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
       "transformers", transformers.__version__, "tokenizers", tokenizers.__version__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
 EOF
 
-bench() {   # bench NAME ARGS...: one run, its log and JSON kept
-    name=$1; shift
+bench() {   # bench NAME ARGS...: one run, its log and JSON kept; a crash is recorded, not hidden by the pipe
+    local name=$1; shift
     echo "== $name: python -m bench $*" | tee -a "$out/commands.txt"
-    "$py" -m bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 | grep -v 'req/s\]' | tee "$out/$name.log"
+    if ! "$py" -m bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 \
+            | { grep -v 'req/s\]' || true; } | tee "$out/$name.log"; then
+        echo "!! $name failed" | tee -a "$out/failed.txt"
+        failed+=("$name")
+    fi
 }
 
 case $part in
-check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions, overlapped
+check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions, overlapped (the
+             # CUDA default) and not; mixed steps read cached context in place (the gather backend on CUDA)
     for d in flex gather; do
         bench "check-$d" --random-weights smollm2-135m --dtype float32 --limit 16 --decode "$d" \
             --skip static,transformers_cb,engine_best
     done
-    bench check-overlap --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex --overlap on \
+    bench check-no-overlap --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex --overlap off \
         --skip static,transformers_cb,engine_best ;;
 esac
 case $part in
-steps|all)   # decode step wall time against GPU busy time, 16 / 64 / 256 sequences
+steps|all)   # decode steps at 16 / 64 / 256 of 256 slots: wall against GPU kernel time per step, the bucket and
+             # the compiled decode row count each runs, table ids written per step, host-to-device copies by
+             # source (pinned or pageable) and the top kernels
     for d in flex gather eager; do
         bench "steps-$d" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --decode "$d"
     done ;;
@@ -54,6 +66,31 @@ sampler|all) # sampled against greedy steps: a full sort per step (the GPU defau
     for n in 0 256; do
         bench "sampler-$n" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --sampler-candidates "$n"
     done ;;
+esac
+case $part in
+overlap|all) # each step's tokens read back while the next step runs (the CUDA default), against at once
+    for o in off on; do
+        bench "overlap-$o" --workload nano --random-weights qwen3-0.6b --slots 256 --overlap "$o" \
+            --skip static,reference,transformers_cb,engine_best
+    done
+    for o in off on; do
+        bench "overlap-steps-$o" --workload nano --random-weights qwen3-0.6b --step-profile 64,256 --overlap "$o"
+    done ;;
+esac
+case $part in
+mixed|all)   # a 20,000-token prompt prefilled beside 256 decodes: step wall, kernel time and peak memory, with
+             # the gather backend (cached context read in place) and flex
+    for b in gather flex; do
+        ATTENTION_BACKEND=$b bench "mixed-$b" --workload nano --random-weights qwen3-0.6b --slots 256 \
+            --mixed-profile 20000
+    done ;;
+esac
+case $part in
+memory|all)  # the KV pool sized as the worker sizes it (0.9 of the GPU less the reserve for a step), then full
+             # batches of greedy and top-k/top-p steps (the sampler's full sort) and the nano run: no OOM
+    bench memory-steps --workload nano --random-weights qwen3-0.6b --step-profile 256 --pool auto
+    bench memory-nano --workload nano --random-weights qwen3-0.6b --slots 256 --pool auto \
+        --skip static,reference,transformers_cb,engine_best ;;
 esac
 case $part in
 w256|all)    # target: the engine >= 3x transformers CB (CUDA graphs) at 64 equal slots
@@ -71,17 +108,18 @@ budget|all)  # tokens per step on nano's shape (half of it): the CUDA default, 8
     done ;;
 esac
 case $part in
-overlap|all) # each step's tokens read back while the next step runs, against reading them back at once
-    for o in off on; do
-        bench "overlap-$o" --workload nano --random-weights qwen3-0.6b --slots 256 --overlap "$o" \
-            --skip static,reference,transformers_cb,engine_best
-    done
-    bench overlap-steps --workload nano --random-weights qwen3-0.6b --step-profile 64,256 --overlap on ;;
-esac
-case $part in
 backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every chunk, against SDPA per chunk
     for b in flex gather; do
         ATTENTION_BACKEND=$b bench "backend-$b" --workload workload-256 --random-weights smollm2-135m --slots 64 \
             --skip reference,static,transformers_cb
     done ;;
 esac
+case $part in
+check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
+*) echo "unknown part '$part'" >&2; exit 2 ;;
+esac
+
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "failed: ${failed[*]}" >&2
+    exit 1
+fi

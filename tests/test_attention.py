@@ -59,15 +59,24 @@ def dense_reference(q, spans, history, heads, kv_heads):
     return out
 
 
-@pytest.mark.parametrize("backend", [pytest.param("kernel", marks=needs_kernel), "gather", "flex"])
+@pytest.mark.parametrize("backend", [pytest.param("kernel", marks=needs_kernel), "gather", "gather-in-place", "flex"])
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)])
 def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size):
+    """gather-in-place: the gather backend with block tables, as on CUDA: decode rows and the chunks with a
+    cached prefix read the pool in place, only the chunks with nothing cached go to SDPA."""
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
-    if backend == "flex":
+    paged = None
+    if backend in ("flex", "gather-in-place"):
         flex.start_engine()   # as each engine does: this test's shapes are new constants
-    width = max(len(s.table) for s in spans)
-    paged = flex.PagedTables(8, width, kv.shape[3], block_size, heads // kv_heads, scratch_block=0, device=kv.device)
-    ctx = attention.build_context(backend, kv, slots, spans, num_decodes=5, block_size=block_size, paged=paged)
+        width = max(len(s.table) for s in spans)
+        paged = flex.PagedTables(8, width, kv.shape[3], block_size, heads // kv_heads, scratch_block=0,
+                                 device=kv.device)
+    ctx = attention.build_context(backend.removesuffix("-in-place"), kv, slots, spans, num_decodes=5,
+                                  block_size=block_size, paged=paged)
+    if backend == "gather-in-place":   # 5 decode rows padded to a compiled row count; 3 chunks have a prefix
+        assert ctx.decode_blocks is None and ctx.decode_block_mask.kv_num_blocks.shape[0] == 8
+        assert [c.length for c in ctx.prefills] == [23]
+        assert ctx.prefill_rows.tolist() == list(range(28, 28 + 9 + 1 + 40))
     attention.set_context(ctx)
     try:
         out, _ = attention.paged_attention(Layer(), q[None], k[None], v[None], None)
@@ -173,3 +182,132 @@ def test_the_gpu_kernel_tile_divides_every_block_size_flex_takes(block_size):
     assert flex.fits(torch.device("cuda"), block_size)
     tile = flex.gpu_kernel_options(block_size)["BLOCK_N"]
     assert block_size % tile == 0 and 16 <= tile <= 64
+
+
+def test_decode_row_counts_are_few_powers_of_four_ending_at_the_slot_count():
+    assert flex.kernel_rows(1) == [1]
+    assert flex.kernel_rows(4) == [1, 4]
+    assert flex.kernel_rows(6) == [1, 4, 6]
+    assert flex.kernel_rows(256) == [1, 4, 16, 64, 256]
+    assert len(flex.kernel_rows(1_000_000)) <= flex.DECODE_COMPILE_LIMIT
+    paged = flex.PagedTables(256, 64, 1000, 16, 2, scratch_block=999, device=torch.device("cpu"))
+    assert [paged.rows_for(n) for n in (1, 2, 5, 16, 17, 200, 256)] == [1, 4, 16, 16, 64, 256, 256]
+
+
+def test_every_bucket_copies_its_step_rows_from_one_contiguous_block():
+    """A strided slice of a pinned buffer is copied through pageable memory: each bucket's rows must be the start
+    of the buffer, contiguous, on the host and on the device."""
+    from worker.engine.device import DecodeGraphs
+
+    kv = torch.zeros(2, 1, 2, 65, 16, 8)
+    for mode in ("flex", "gather"):
+        graphs = DecodeGraphs(torch.nn.Identity(), kv, 64, 16, 40, 512, use_graphs=False, attention_mode=mode)
+        staged = [graphs.rows] + ([graphs.paged.counts] if mode == "flex" else [])
+        for buffer in staged:
+            for b in graphs.sizes:
+                for view, flat in ((buffer.host(b), buffer.host_flat), (buffer.device(b), buffer.device_flat)):
+                    assert view.is_contiguous() and view.data_ptr() == flat.data_ptr()
+                    assert view.shape == (buffer.fields, b)
+            if torch.cuda.is_available():
+                assert buffer.host_flat.is_pinned()
+        if mode == "flex":
+            for b in graphs.sizes:   # the rows the decode kernel reads for a bucket: leading rows, contiguous
+                mask = graphs.paged.mask(graphs.paged.rows_for(b))
+                assert mask.kv_num_blocks.is_contiguous() and mask.full_kv_indices.is_contiguous()
+
+
+def test_slot_tables_write_a_row_whole_for_a_new_owner_and_only_new_ids_after():
+    from worker.engine.block_tables import RowOrder, SlotTables
+
+    tables = SlotTables(3, 8, fill=99, dtype=torch.int32, device=torch.device("cpu"))
+    a, b, c = object(), object(), object()
+    assert tables.write([a, b], [[5, 6, 7], [1, 2]], [2, 1]) == 3
+    assert tables.write([a, b], [[5, 6, 7], [1, 2]], [2, 1]) == 0          # nothing new
+    assert tables.write([a, b], [[5, 6, 7], [1, 2]], [3, 1]) == 1          # a crossed into a new block
+    assert tables.tables[0, :3].tolist() == [5, 6, 7] and tables.tables[1, 0] == 1
+    assert tables.write([c, b], [[8, 9], [1, 2]], [2, 2]) == 3             # c replaced a: whole row; b: one id
+    assert tables.tables[0, :2].tolist() == [8, 9] and tables.tables[1, :2].tolist() == [1, 2]
+    assert tables.write([None], [[4]], [1]) == 1 and tables.write([None], [[4]], [1]) == 1   # unknown: always
+    order = RowOrder()
+    assert order.arrange([a, b, c]) == [a, b, c]
+    assert order.arrange([c, a]) == [a, c]             # b left: c moves into its row, a keeps row 0
+    assert order.arrange([b, a, c]) == [a, c, b]       # a newcomer takes the next free row
+    assert order.row(b) == 2 and order.row(object()) is None
+
+
+def allocated_bytes(fn) -> int:
+    """Bytes the profiler saw allocated while fn ran (every allocation, freed or not: a bound on the peak)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(e.self_cpu_memory_usage for e in prof.key_averages() if e.self_cpu_memory_usage > 0)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["gather", "gather-in-place"])
+def test_a_mixed_step_beside_a_long_row_allocates_with_its_tokens_not_decodes_times_the_longest(in_place):
+    """32 short decodes, one decode of a long context and a chunk with a long cached prefix. Copying contexts
+    out costs decodes x the longest context (and a [rows, context] mask for the chunk); reading in place costs
+    what the step's tokens cost, whatever the longest context."""
+    heads, kv_heads, d, bs, num_blocks = 4, 2, 16, 16, 600
+
+    def step(longest: int):
+        gen = random.Random(longest)
+        free = list(range(num_blocks))
+        gen.shuffle(free)
+        spans, slots, row = [], [], 0
+        for cached, n in [(31, 1)] * 32 + [(longest, 1), (longest - 100, 64)]:
+            context = cached + n
+            table = [free.pop() for _ in range(-(-context // bs))]
+            spans.append(Span(row, n, context, table))
+            slots += [table[p // bs] * bs + p % bs for p in range(cached, context)]
+            row += n
+        q = torch.randn(row, heads, d).transpose(0, 1)
+        return spans, slots, q, torch.randn(kv_heads, row, d), torch.randn(kv_heads, row, d)
+
+    kv = torch.randn(2, 2, kv_heads, num_blocks + 1, bs, d)
+    paged = None
+    if in_place:
+        flex.start_engine()
+        paged = flex.PagedTables(64, 300, num_blocks + 1, bs, heads // kv_heads, num_blocks, kv.device)
+    measured = {}
+    for longest in (1000, 4000):
+        spans, slots, q, k, v = step(longest)
+
+        def attend():
+            ctx = attention.build_context("gather", kv, slots, spans, 33, bs, paged)
+            attention.set_context(ctx)
+            try:
+                return attention.paged_attention(Layer(), q[None], k[None], v[None], None)[0]
+            finally:
+                attention.set_context(None)
+
+        attend()   # compiles (in place) and makes the chunk map: once per engine, not per step
+        measured[longest] = allocated_bytes(attend)
+    tokens = 33 + 64
+    copied = 33 * 4000 * kv_heads * d * 4
+    if in_place:
+        assert measured[4000] <= 32 * tokens * heads * d * 4
+        assert measured[4000] <= 1.1 * measured[1000]
+    else:   # what the in-place path avoids: this test tells the two apart
+        assert measured[4000] >= copied and measured[4000] > 3 * measured[1000]
+
+
+def test_warming_the_prefill_form_leaves_nothing_to_compile_for_chunks_over_a_cached_prefix():
+    """On CUDA the runner compiles FlexAttention's prefill form at start (the gather backend reads cached
+    prefixes through it): chunks of any length later find a compiled variant."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    from torch.nn.attention.flex_attention import flex_attention
+
+    heads, kv_heads, head_dim, block_size = 4, 2, 16, 16
+    kv, *_ = random_step(heads, kv_heads, head_dim, block_size, seed=3)
+    flex.start_engine()
+    paged = flex.PagedTables(8, 64, kv.shape[3], block_size, heads // kv_heads, scratch_block=511, device=kv.device)
+    with torch.inference_mode():
+        flex.warm_prefill(paged, kv[0, 1], kv[1, 1], heads)
+        compiled = len(_debug_get_cache_entry_list(flex_attention.__code__))
+        assert compiled >= 1
+        gen = random.Random(5)
+        for length, cached in ((1, 40), (23, 17), (130, 5), (2, 300)):
+            table = gen.sample(range(500), -(-(cached + length) // block_size))
+            mask = paged.prefill_mask([Span(0, length, cached + length, table)])
+            flex.prefill(torch.randn(heads, length, head_dim), kv[0, 1], kv[1, 1], mask, None)
+    assert len(_debug_get_cache_entry_list(flex_attention.__code__)) == compiled

@@ -225,12 +225,19 @@ def test_a_worker_with_overlapped_steps_answers_as_the_plain_one(stack, db):
             t.join(150)
         return [answers[i] for i in range(len(questions))]
 
+    def starts() -> list[str]:
+        return [line for line in (stack.workdir / "worker.log").read_text().splitlines() if "ready with" in line]
+
     plain = ask_all()
+    before = len(starts())
     stack.kill_worker()
     try:
         stack.start_worker(OVERLAP_STEPS="1")
-        starts = [line for line in (stack.workdir / "worker.log").read_text().splitlines() if "ready with" in line]
-        assert "steps overlapped" in starts[-1], starts[-1]
+        # The heartbeat start_worker waits for begins before Celery logs the ready line: wait for that too.
+        deadline = time.monotonic() + 30
+        while len(starts()) == before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "steps overlapped" in starts()[-1], starts()[-1]
         assert ask_all() == plain
         c = ChatClient(url)
         try:

@@ -77,9 +77,10 @@ def ref_model(tiny_model_dir):
 @pytest.mark.parametrize("packed,attn,eager,decode,overlap", [
     (True, "kernel", None, None, False), (True, "gather", None, None, False), (True, "flex", None, None, False),
     (False, "kernel", None, None, False), (True, "kernel", False, "flex", False),
-    (True, "kernel", False, "gather", False), (True, "kernel", None, None, True), (True, "kernel", False, "flex", True)],
+    (True, "kernel", False, "gather", False), (True, "gather", False, "flex", False),
+    (True, "kernel", None, None, True), (True, "kernel", False, "flex", True)],
     ids=["packed-kernel", "packed-gather", "packed-flex", "dense-kernel", "static-buckets-flex", "static-buckets-gather",
-         "overlapped-kernel", "overlapped-static-buckets-flex"])
+         "static-buckets-flex-gather-in-place", "overlapped-kernel", "overlapped-static-buckets-flex"])
 def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
                                                                                       eager, decode, overlap):
     model, tok = tiny
@@ -88,6 +89,8 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
                                                 num_blocks=44, pack_cpu_linears=packed, attention_backend=attn,
                                                 enforce_eager=eager, decode_attention=decode, overlap_steps=overlap))
     assert engine.runner.attention_backend == attn or cpu_kernel.load() is None
+    # gather reads cached context in place (as on CUDA) where the flex decoding kernel runs the decode graphs
+    assert (engine.runner.paged is not None) == (attn == "flex" or (attn == "gather" and decode == "flex"))
     graphs = engine.runner.decode_graphs
     assert (graphs is not None) == (eager is False)
     if graphs is not None:   # decode steps of 3 run in bucket 4: one padding row
@@ -154,6 +157,125 @@ def test_greedy_matches_generate_on_the_real_default_model(real_model):
         assert results[str(i)].token_ids == want, f"request {i} differs"
         assert "".join(deltas[str(i)]) == results[str(i)].text == tok.decode(want, skip_special_tokens=True)
     assert results["0"].text.strip(), "the real model should answer in words"
+
+
+# ---- decode steps through the static buffers and block tables that persist ------------------------------
+
+def compiled_decode_shapes() -> list[list[int | None]]:
+    """The query shape of each compiled variant of the flex decode form, read from dynamo's cache entries and
+    their guards; None marks a dimension compiled symbolic, which the Triton decoding kernel cannot take."""
+    import re
+
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from worker.engine import flex
+
+    shapes = []
+    for entry in _debug_get_cache_entry_list(flex._decode_call.__code__):
+        size = re.search(r"check_tensor\(L\['query'\].*?size=\[([^\]]*)\]", str(entry.guard_manager)).group(1)
+        shapes.append([None if x.strip() == "None" else int(x) for x in size.split(",")])
+    return shapes
+
+
+def test_every_decode_bucket_runs_a_statically_compiled_kernel_and_matches_generate(tiny, ref_model):
+    """Buckets 1, 2, 4 and 6 run the decode form compiled for 1, 4 and 6 rows, each with static shapes: never a
+    variant with a symbolic row count (on CUDA that one would leave FlexAttention's decoding kernel)."""
+    from worker.engine import flex
+
+    model, tok = tiny
+    flex.start_engine()   # no compiled variants left from other tests
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=6, max_num_batched_tokens=64, block_size=4,
+                                                num_blocks=203, enforce_eager=False, decode_attention="flex"))
+    graphs = engine.runner.decode_graphs
+    assert graphs.sizes == [1, 2, 4, 6] and graphs.paged.sizes == [1, 4, 6]
+    caps = [2, 5, 8, 11, 14, 17]   # the decode batch shrinks one by one: every bucket runs
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:6]]
+    for i, ids in enumerate(prompts):
+        engine.add_request(str(i), prompt_token_ids=ids, params=greedy(caps[i]))
+    results, _ = run_all(engine)
+    for i, ids in enumerate(prompts):
+        assert results[str(i)].token_ids == reference(ref_model, ids, caps[i]), f"request {i} differs"
+    assert all(graphs.steps_per_bucket[b] for b in graphs.sizes), graphs.steps_per_bucket
+    shapes = compiled_decode_shapes()
+    assert all(None not in shape for shape in shapes), shapes
+    assert sorted(shape[0] for shape in shapes) == [1, 4, 6]
+
+
+@pytest.mark.parametrize("decode", ["flex", "gather"])
+def test_a_steady_decode_writes_block_ids_only_on_block_boundaries(tiny, decode):
+    model, tok = tiny
+    prompts = [chat_ids(tok, q) for q in QUESTIONS[:4]]
+
+    def engine_with(eager: bool) -> LLMEngine:
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=512, block_size=4,
+                                                    num_blocks=200, enforce_eager=eager, decode_attention=decode))
+        for i, ids in enumerate(prompts):
+            engine.add_request(str(i), prompt_token_ids=ids, params=greedy(30, ignore_eos=True))
+        return engine
+
+    engine = engine_with(False)
+    runner = engine.runner
+    tables = runner.decode_graphs.paged.slots if decode == "flex" else runner.decode_graphs.tables
+    bs = 4
+
+    def ids_in_use(context: int) -> int:   # a decode row's ids: full blocks (flex), every block covering it (gather)
+        return (context - 1) // bs if decode == "flex" else -(-context // bs)
+
+    results = {}
+    drain(engine, results)   # all four prefilled in one step
+    seqs = list(engine.seqs.values())
+    drain(engine, results)   # the first decode step writes each row whole
+    assert tables.entries_written == sum(ids_in_use(seq.num_tokens - 1) for seq in seqs)
+    writes = []
+    for _ in range(20):
+        contexts = {seq: seq.num_tokens for seq in seqs}   # what this step's rows attend
+        before = tables.entries_written
+        drain(engine, results)
+        writes.append(tables.entries_written - before)
+        assert writes[-1] == sum(ids_in_use(c) - ids_in_use(c - 1) for c in contexts.values())
+        for seq in seqs:   # each device row holds its sequence's ids in use, in the row the sequence keeps
+            count = ids_in_use(contexts[seq])
+            assert tables.tables[runner.row_order.row(seq), :count].tolist() == seq.block_table[:count]
+    assert sum(writes) == 4 * 20 // bs   # one id per row every block_size steps, where rebuilding wrote them all
+    finished, _ = run_all(engine)
+    eager = engine_with(True)
+    want, _ = run_all(eager)
+    assert {r: f.token_ids for r, f in finished.items()} == {r: f.token_ids for r, f in want.items()}
+
+
+def test_mixed_steps_read_a_long_row_and_cached_prefixes_in_place_and_match_generate(tiny_model_dirs, tokenizer):
+    """The gather backend as on CUDA (with flex decode graphs): long prompts prefilled in chunks beside decodes,
+    chunks whose prefix is cached read it in place; every answer equals generate."""
+    from tests.tiny_model import make_tiny_model_dir
+
+    root = tiny_model_dirs["llama"].parent / "llama-long"
+    if not root.exists():
+        make_tiny_model_dir(root, tokenizer, "llama", max_position_embeddings=2048)
+    model, tok = load_model(str(root))
+    ref = load_model(str(root))[0]
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=6, max_num_batched_tokens=96, block_size=4,
+                                                num_blocks=800, attention_backend="gather", enforce_eager=False,
+                                                decode_attention="flex"))
+    paged = engine.runner.paged
+    assert paged is engine.runner.decode_graphs.paged
+    long_ids = chat_ids(tok, " ".join(QUESTIONS * 8))
+    assert len(long_ids) > 600
+    prompts = {"short0": chat_ids(tok, QUESTIONS[0]), "short1": chat_ids(tok, QUESTIONS[1]),
+               "short2": chat_ids(tok, QUESTIONS[2]), "long": long_ids,
+               "long-again": long_ids[:-7] + chat_ids(tok, "Thanks!", system=None)}
+    caps = {"short0": 40, "short1": 40, "short2": 30, "long": 12, "long-again": 10}
+    results, step = {}, 0
+    for rid in ("short0", "short1", "short2", "long"):
+        engine.add_request(rid, prompt_token_ids=prompts[rid], params=greedy(caps[rid]))
+    while engine.has_unfinished():
+        if step == 14:   # shares the long prompt's blocks, once they are cached: chunks over a cached prefix
+            engine.add_request("long-again", prompt_token_ids=prompts["long-again"], params=greedy(caps["long-again"]))
+        drain(engine, results)
+        step += 1
+    for rid, ids in prompts.items():
+        assert results[rid].token_ids == reference(ref, ids, caps[rid]), rid
+    assert results["long-again"].cached_tokens > 600
+    assert paged.logical is not None   # a chunk with a cached prefix went through FlexAttention's prefill form
 
 
 # ---- scheduling ------------------------------------------------------------------------------------
@@ -499,9 +621,10 @@ def test_an_overlapped_request_cancelled_in_flight_keeps_only_tokens_read_back(t
     assert engine.step() == [] and not engine.has_unfinished() and engine.stats().kv_blocks_used == 0
 
 
-def test_overlapped_steps_are_off_unless_asked(tiny):
+def test_overlapped_steps_are_off_by_default_on_cpu(tiny):
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(num_blocks=64))
+    assert engine.config.overlap_steps is False   # resolved from the device's default (on on CUDA)
     engine.add_request("a", prompt_token_ids=chat_ids(tok, QUESTIONS[0]), params=greedy(5))
     assert [e.token_ids for e in engine.step() if isinstance(e, TokenDelta)] != []   # tokens come out at once
     assert engine.seqs["a"].pending is None

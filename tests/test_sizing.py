@@ -7,7 +7,8 @@ import re
 import pytest
 
 from worker.engine import EngineConfig, attention
-from worker.engine.sizing import CPU_KV_CACHE_GIB, size_engine
+from worker.engine.device import buckets
+from worker.engine.sizing import CPU_KV_CACHE_GIB, overlap_for, size_engine, size_model
 from worker.settings import WorkerSettings, expected_slots
 
 GIB = 2**30
@@ -90,9 +91,11 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     monkeypatch.setenv("ENFORCE_EAGER", "0")
     assert WorkerSettings().enforce_eager is None   # the device's default, not the CPU's static-buffer mode
     monkeypatch.delenv("OVERLAP_STEPS", raising=False)
-    assert WorkerSettings().overlap_steps is False
+    assert WorkerSettings().overlap_steps is None   # the device's default
     monkeypatch.setenv("OVERLAP_STEPS", "1")
     assert WorkerSettings().overlap_steps is True
+    monkeypatch.setenv("OVERLAP_STEPS", "0")
+    assert WorkerSettings().overlap_steps is False   # off, on CUDA too
     monkeypatch.delenv("DECODE_ATTENTION", raising=False)
     assert WorkerSettings().decode_attention is None
     monkeypatch.setenv("DECODE_ATTENTION", "gather")
@@ -125,3 +128,54 @@ def test_the_runner_sizes_a_cpu_engine_by_the_cpu_rule(tiny):
     assert engine.config.max_num_seqs == 16 and engine.runner.sizing.kv_source == "kv_cache_memory_gib"
     pool_bytes = engine.runner.kv.numel() * engine.runner.kv.element_size()
     assert GIB - pool_bytes < pool_bytes / engine.runner.num_blocks   # 1 GiB, to the block
+
+
+def test_steps_overlap_by_default_on_cuda_only_and_as_set_everywhere():
+    assert overlap_for(EngineConfig(), "cuda") is True
+    assert overlap_for(EngineConfig(), "cpu") is False
+    for device in ("cpu", "cuda"):
+        assert overlap_for(EngineConfig(overlap_steps=True), device) is True
+        assert overlap_for(EngineConfig(overlap_steps=False), device) is False
+
+
+def test_the_runner_resolves_overlap_and_names_it_in_its_start_line(tiny):
+    from worker.engine import LLMEngine
+
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=64))
+    assert engine.config.overlap_steps is False and "steps not overlapped" in engine.runner.describe_steps()
+    engine.release_model()
+    engine = LLMEngine(model, tok, EngineConfig(num_blocks=64, overlap_steps=True))
+    assert "steps overlapped" in engine.runner.describe_steps()
+
+
+def test_the_gpu_reserve_holds_every_graph_output_the_sampler_sort_and_the_block_lists(tiny):
+    """A tiny model sized as on a GPU with a made-up free memory figure: the pool gets what is left once the
+    model, the captured graphs' [bucket, vocab] logits, the sampler's float32 copies and full sort
+    ([rows, vocab] values and int64 indices, with the sort's working buffers) and the activations are set aside,
+    and each block also pays for FlexAttention's per-block lists."""
+    model, _ = tiny
+    vocab, hidden, dtype_bytes = model.config.vocab_size, model.config.hidden_size, 4   # float32
+    model_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    free = 40 * GIB
+    sizing = size_model(model, EngineConfig(), "cuda", BLOCK, free_bytes=free)
+    slots, tokens = 256, 8192
+    graph_logits = sum(buckets(256)) * vocab * dtype_bytes
+    assert sum(buckets(256)) == 1 + 2 + 4 + 8 + sum(range(16, 257, 8))
+    sampler = slots * vocab * (4 * 4 + 4 + 8 + 8 + 12)
+    activations = 16 * tokens * hidden * dtype_bytes
+    per_block = 4 * (slots + tokens * 2 // 128)   # query group 2: 4 heads over 2 KV heads
+    reserve = sizing.reserve
+    assert (reserve.graph_logits, reserve.sampler, reserve.activations, reserve.per_block) == (
+        graph_logits, sampler, activations, per_block)
+    want = (int(0.9 * (free + model_bytes)) - model_bytes - graph_logits - sampler - activations) // (BLOCK + per_block)
+    assert sizing.num_blocks == want
+    assert "kept for a step" in sizing.describe(EngineConfig())
+    # With the real model's vocabulary (Qwen3: 151,936) the logits and the sort are most of a small GPU's headroom.
+    assert sum(buckets(256)) * 151_936 * 2 > GIB and 256 * 151_936 * 12 > 0.4 * GIB
+    # No decode graphs, no graph outputs; a fixed pool needs no reserve arithmetic at all.
+    eager = size_model(model, EngineConfig(enforce_eager=True), "cuda", BLOCK, free_bytes=free)
+    assert eager.reserve.graph_logits == 0 and eager.num_blocks > sizing.num_blocks
+    assert size_model(model, EngineConfig(num_blocks=10), "cuda", BLOCK, free_bytes=free).num_blocks == 10
+    with pytest.raises(ValueError, match="GPU_MEMORY_UTILIZATION"):   # a small GPU: the reserve leaves nothing
+        size_model(model, EngineConfig(), "cuda", BLOCK, free_bytes=(graph_logits + sampler) // 2)

@@ -29,15 +29,15 @@ def _optional(name: str, kind: type) -> int | float | None:
     return _parse(name, value, kind) if value else None
 
 
-def _switch(name: str) -> bool | None:
-    """"1"/"true"/"yes"/"on": True; "0"/"false"/"no"/"off", unset or empty: None (the device's default)."""
+def _switch(name: str, off: bool | None = None) -> bool | None:
+    """"1"/"true"/"yes"/"on": True; "0"/"false"/"no"/"off": `off`; unset or empty: None (the device's default)."""
     value = (os.environ.get(name) or "").strip().lower()
     if not value:
         return None
     if value in ("1", "true", "yes", "on"):
         return True
     if value in ("0", "false", "no", "off"):
-        return None
+        return off
     raise ValueError(f"{name} must be 1 or 0 (true/false); got {value!r}.")
 
 
@@ -60,8 +60,9 @@ class WorkerSettings:
     # Decode steps through static buffers (CUDA graphs): "flex" reads the KV pool in place, "gather" copies
     # each context out. Unset: "flex", else "gather" when flex does not compile or capture.
     decode_attention: str | None = field(default_factory=lambda: os.environ.get("DECODE_ATTENTION") or None)
-    # "1": each step's tokens are read back while the next step runs (EngineConfig.overlap_steps). Unset: off.
-    overlap_steps: bool = field(default_factory=lambda: bool(_switch("OVERLAP_STEPS")))
+    # "1": each step's tokens are read back while the next step runs (EngineConfig.overlap_steps); "0": not.
+    # Unset: the device's default, on on CUDA and off on CPU.
+    overlap_steps: bool | None = field(default_factory=lambda: _switch("OVERLAP_STEPS", off=False))
     gpu_memory_utilization: float = field(default_factory=lambda: _float("GPU_MEMORY_UTILIZATION", 0.9))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
     shutdown_grace_s: float = field(default_factory=lambda: _float("SHUTDOWN_GRACE_S", 15))

@@ -7,7 +7,11 @@ pool in place and attends over each sequence's blocks, through one of two backen
   every row of the step, decodes and prefill chunks alike, reading the pool in place through the
   block table: one call per layer.
 - "gather": PyTorch only, any device and dtype. Each layer gathers the batch's blocks into SDPA's
-  layout; decode rows share one SDPA call, each prefill chunk gets its own.
+  layout; decode rows share one SDPA call, each prefill chunk gets its own. Where FlexAttention's
+  decoding kernel runs (on CUDA; see ModelRunner) the cached context is read in place instead: decode
+  rows through flex.decode, chunks with a cached prefix through flex.prefill, so a step's memory grows
+  with its tokens, not with its decode rows times the longest context; chunks with nothing cached
+  keep plain causal SDPA over their own K/V.
 
 - "flex": compiled FlexAttention reading the pool in place (flex.py), any device: decode rows in one
   call, all prefill chunks in another. Decode steps through the static buffers of device.DecodeGraphs
@@ -46,6 +50,7 @@ class Span:
     length: int            # rows
     context: int           # tokens of the sequence in the cache after this step (these rows included)
     table: list[int]       # the sequence's block ids (at least those covering `context`)
+    owner: object = None   # the same from step to step while `table` only grows (block_tables.SlotTables)
 
 
 @dataclass
@@ -53,7 +58,7 @@ class PrefillChunk:
     start: int             # first row of this chunk in the packed tokens
     length: int            # tokens in the chunk
     context: int           # tokens of the sequence in the cache after this step (chunk included)
-    blocks: torch.Tensor   # the sequence's block ids covering `context`
+    blocks: torch.Tensor | None   # the sequence's block ids covering `context`; None when nothing was cached
 
 
 @dataclass
@@ -68,7 +73,8 @@ class StepContext:
     decode_blocks: torch.Tensor | None = None   # [decodes, max_blocks]
     decode_mask: torch.Tensor | None = None     # [1, decodes, 1, max_blocks * block_size]
     decode_block_mask: object | None = None      # FlexAttention BlockMask: decodes read the pool in place
-    prefill_block_mask: object | None = None     # flex backend: every prefill chunk in one call
+    prefill_block_mask: object | None = None     # every prefill chunk (flex), those with a cached prefix (gather)
+    prefill_rows: torch.Tensor | None = None     # gather in place: the rows prefill_block_mask covers
     prefills: list[PrefillChunk] = field(default_factory=list)
     # kernel backend: per-row sequence index and position, block tables, and the C call's step arguments
     kernel_tensors: tuple[torch.Tensor, ...] = ()
@@ -113,18 +119,12 @@ def padded_tables(tables: list[list[int]], width: int, pad: int = 0) -> list[lis
 
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
                   block_size: int, paged: flex.PagedTables | None = None) -> StepContext:
-    """`paged`: the flex backend's device buffers for block tables (ModelRunner keeps them)."""
+    """`paged`: device buffers for block tables (ModelRunner keeps them), for the flex backend, and for the
+    gather backend where it reads cached context in place (without them it copies contexts out)."""
     device = kv.device
     ctx = StepContext(kv=kv, slots=upload(slots, torch.long, device), backend=backend, num_decodes=num_decodes)
-    if backend == "flex":
-        if num_decodes:
-            decodes = spans[:num_decodes]
-            paged.fill([s.table for s in decodes], [s.context for s in decodes], num_decodes)
-            ctx.decode_block_mask = paged.mask(num_decodes)
-        if len(spans) > num_decodes:
-            first = spans[num_decodes].start
-            chunks = [Span(s.start - first, s.length, s.context, s.table) for s in spans[num_decodes:]]
-            ctx.prefill_block_mask = paged.prefill_mask(chunks)
+    if backend in ("flex", "gather") and paged is not None:
+        _in_place(ctx, spans, num_decodes, paged)
         return ctx
     if backend == "kernel":
         row_seq, row_pos = [], []
@@ -150,6 +150,29 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
         blocks = upload(s.table[:-(-s.context // block_size)], torch.long, device)
         ctx.prefills.append(PrefillChunk(s.start, s.length, s.context, blocks))
     return ctx
+
+
+def _in_place(ctx: StepContext, spans: list[Span], num_decodes: int, paged: flex.PagedTables) -> None:
+    """Decode rows and prefill chunks that read the pool in place through FlexAttention (with gather, the
+    chunks with nothing cached stay with SDPA, over their own K/V)."""
+    decodes = spans[:num_decodes]
+    if decodes:
+        rows = paged.rows_for(num_decodes)
+        paged.fill([s.table for s in decodes], [s.context for s in decodes], rows, [s.owner for s in decodes])
+        ctx.decode_block_mask = paged.mask(rows)
+    chunks = spans[num_decodes:]
+    if ctx.backend == "gather":
+        ctx.prefills = [PrefillChunk(s.start, s.length, s.context, None) for s in chunks if s.context == s.length]
+        chunks = [s for s in chunks if s.context > s.length]
+        if chunks:
+            ctx.prefill_rows = upload([r for s in chunks for r in range(s.start, s.start + s.length)], torch.long,
+                                      ctx.kv.device)
+    if chunks:   # packed one after the other, as one query sequence
+        starts = [0]
+        for s in chunks[:-1]:
+            starts.append(starts[-1] + s.length)
+        ctx.prefill_block_mask = paged.prefill_mask([Span(a, s.length, s.context, s.table)
+                                                     for a, s in zip(starts, chunks)])
 
 
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -218,6 +241,9 @@ def _gather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
     for chunk in ctx.prefills:
         rows = slice(chunk.start, chunk.start + chunk.length)
         out[:, rows] = _prefill_attention(q[:, rows], k[:, rows], v[:, rows], k_cache, v_cache, chunk, scaling)
+    if ctx.prefill_block_mask is not None:   # chunks with a cached prefix, read in place
+        rows = ctx.prefill_rows
+        out[:, rows] = flex.prefill(q.index_select(1, rows), k_cache, v_cache, ctx.prefill_block_mask, scaling)
     return out.transpose(0, 1)
 
 

@@ -21,8 +21,9 @@ class EngineConfig:
     attention_backend: str | None = None  # "kernel" or "gather"; None: $ATTENTION_BACKEND, else the device's best
     decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";
                                          # None: $DECODE_ATTENTION, else "flex", falling back to "gather"
-    overlap_steps: bool = False          # sample on the device and read the tokens back while the next step
-                                         # runs (engine.py); on a CPU that only delays every token by a step
+    overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
+                                         # runs (engine.py); None: on on CUDA, off on CPU (sizing.py), where
+                                         # it would only delay every token by a step
     sampler_candidates: int | None = None  # top-k/top-p searched among this many best tokens first (0: a full
                                            # sort); None: 256 on CPU, a full sort elsewhere (sampler.py)
 

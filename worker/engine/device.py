@@ -1,13 +1,14 @@
 """Decode steps through static input buffers at bucketed batch sizes, replayed as CUDA graphs on CUDA.
 
 A decode-only step of n sequences runs in the smallest bucket >= n: its token ids, positions, cache
-slots, block tables and context lengths are copied into fixed buffers, the rows past n are padding
-(they write to a scratch block of the pool and read one key of it), and the bucket's captured graph
-replays. Decode attention either reads the pool in place ("flex", a compiled FlexAttention kernel whose
-block lists are the step's block tables: any context length fits) or gathers each row's blocks up to a
-static width ("gather", MAX_GRAPH_CONTEXT tokens at most). On CPU there are no graphs: with
-EngineConfig.enforce_eager=False the same buffers and buckets run eagerly (how the tests exercise this
-path); by default CPU steps skip it entirely.
+slots and context lengths are copied into fixed buffers (one contiguous pinned copy whatever the bucket,
+transfer.StagedBuffer), its block tables are brought up to date in place (block_tables.SlotTables: a
+row's new ids only), the rows past n are padding (they write to a scratch block of the pool and read one
+key of it), and the bucket's captured graph replays. Decode attention either reads the pool in place
+("flex", a compiled FlexAttention kernel whose block lists are the step's block tables: any context
+length fits) or gathers each row's blocks up to a static width ("gather", MAX_GRAPH_CONTEXT tokens at
+most). On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and buckets
+run eagerly (how the tests exercise this path); by default CPU steps skip it entirely.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ import torch
 
 from . import attention, flex
 from .attention import StepContext
-from .transfer import Staging, place_pending
+from .block_tables import SlotTables
+from .transfer import StagedBuffer, Staging, place_pending
 
 log = logging.getLogger(__name__)
 
@@ -56,22 +58,16 @@ class DecodeGraphs:
         self.scratch_block = scratch_block
         device = kv.device
         n = self.sizes[-1]
-        # rows: token ids, positions, cache slots, context lengths
-        self.rows = torch.zeros(4, n, dtype=torch.long, device=device)
-        self.rows[2].fill_(self.scratch_slot)
-        self.rows[3].fill_(1)
-        self.input_ids, self.positions = self.rows[0:1], self.rows[1:2]
-        self.slots, self.context = self.rows[2], self.rows[3]
-        # Host staging: one non-blocking copy per step into the device buffers.
-        pin = device.type == "cuda"
-        self.host_rows = torch.zeros(self.rows.shape, dtype=torch.long, pin_memory=pin)
+        # rows: token ids, positions, cache slots, context lengths; one non-blocking copy per step, laid out
+        # so that every bucket's rows are one contiguous block.
+        self.rows = StagedBuffer(4, n, torch.long, device)
         self.staging = Staging(device)
         self.paged: flex.PagedTables | None = None
+        self.tables: SlotTables | None = None
         if self.flex:
             self.paged = flex.PagedTables(n, self.width, kv.shape[3], block_size, group, scratch_block, device)
         else:
-            self.tables = torch.full((n, self.width), scratch_block, dtype=torch.long, device=device)
-            self.host_table = torch.zeros(n * self.width, dtype=torch.long, pin_memory=pin)
+            self.tables = SlotTables(n, self.width, scratch_block, torch.long, device)
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -80,18 +76,28 @@ class DecodeGraphs:
         self.capture_s = 0.0
         self.graph_bytes = 0
 
-    def _forward(self, n: int) -> torch.Tensor:
-        ctx = StepContext(kv=self.kv, slots=self.slots[:n], backend="gather", num_decodes=n)
+    def _pad(self, n: int) -> None:
+        """Bucket n's rows all padding: a forward outside `run` (warm-up, capture) then writes and reads only the
+        scratch block."""
+        self.staging.wait()
+        self.rows.put([[0] * n, [0] * n, [self.scratch_slot] * n, [1] * n], n)
         if self.flex:
-            ctx.decode_block_mask = self.paged.mask(n)
+            self.paged.reset(self.paged.rows_for(n))
+        self.staging.record()
+
+    def _forward(self, n: int) -> torch.Tensor:
+        """The forward of bucket n, reading that bucket's views of the buffers."""
+        input_ids, positions, slots, context = self.rows.device(n)
+        ctx = StepContext(kv=self.kv, slots=slots, backend="gather", num_decodes=n)
+        if self.flex:
+            ctx.decode_block_mask = self.paged.mask(self.paged.rows_for(n))
         else:
-            positions = torch.arange(self.width * self.block_size, device=self.kv.device)
-            mask = positions[None, :] < self.context[:n, None]
-            ctx.decode_blocks, ctx.decode_mask = self.tables[:n], mask[None, :, None, :]
+            keys = torch.arange(self.width * self.block_size, device=self.kv.device)
+            mask = keys[None, :] < context[:, None]
+            ctx.decode_blocks, ctx.decode_mask = self.tables.tables[:n], mask[None, :, None, :]
         attention.set_context(ctx)
         try:
-            return self.model(input_ids=self.input_ids[:, :n], position_ids=self.positions[:, :n],
-                              use_cache=False).logits[0]
+            return self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False).logits[0]
         finally:
             attention.set_context(None)
 
@@ -118,6 +124,7 @@ class DecodeGraphs:
         start, before = time.perf_counter(), torch.cuda.memory_allocated(self.kv.device)
         pool = None
         for n in reversed(self.sizes):
+            self._pad(n)
             self._forward(n)   # warm-up outside the graph: lazy initialisation, cuBLAS workspaces
             torch.cuda.synchronize(self.kv.device)
             graph = torch.cuda.CUDAGraph()
@@ -138,29 +145,27 @@ class DecodeGraphs:
         return next(b for b in self.sizes if b >= n)
 
     def run(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
-            pending: torch.Tensor | None = None, fixes: list[tuple[int, int]] = ()) -> torch.Tensor:
+            pending: torch.Tensor | None = None, fixes: list[tuple[int, int]] = (),
+            owners: list | None = None) -> torch.Tensor:
         """Logits [n, vocab] of a decode step of n sequences, through the static buffers.
 
         fixes: (row, i) for rows whose token is still on the device, as `pending[i]` (the previous step's
-        sampled tokens, not yet read back)."""
+        sampled tokens, not yet read back). owners: what identifies each row's table from step to step
+        (SlotTables); None: every id is written."""
         n = len(tokens)
         b = self.bucket(n)
-        pad, scratch = b - n, self.scratch_block
+        pad = b - n
         context = [p + 1 for p in positions]
         self.staging.wait()
-        host_rows = self.host_rows[:, :b]
-        host_rows.copy_(torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
-                                      context + [1] * pad]))
-        self.rows[:, :b].copy_(host_rows, non_blocking=True)
+        rows = self.rows.put([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad,
+                              context + [1] * pad], b)
         if self.flex:
-            self.paged.fill(tables, context, b)
-        else:
-            w = self.width
-            staged = self.host_table[:b * w].view(b, w)
-            staged.copy_(torch.tensor(attention.padded_tables(tables, w, scratch) + [[scratch] * w] * pad))
-            self.tables[:b].copy_(staged, non_blocking=True)
+            self.paged.fill(tables, context, self.paged.rows_for(b), owners)
+        else:   # the blocks covering each context; padding rows' columns hold any id, masked past one key
+            bs = self.block_size
+            self.tables.write(owners or [None] * n, tables, [-(-c // bs) for c in context])
         self.staging.record()
-        place_pending(self.input_ids[0], pending, fixes)
+        place_pending(rows[0], pending, fixes)
         self.steps_per_bucket[b] += 1
         self.padding_rows += pad
         graph = self.graphs.get(b)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 
 import torch
 
 from . import attention, flex, sizing
 from .attention import Span
+from .block_tables import RowOrder
 from .packed_linear import pack_linears, unpack_linears
 from .config import EngineConfig
 from .device import DecodeGraphs
@@ -61,6 +63,7 @@ class ModelRunner:
         self.sizing = sizing.size_for(model, config, self.device, bytes_per_block)   # slots and pool per device
         config.max_num_seqs, self.num_blocks = self.sizing.max_num_seqs, self.sizing.num_blocks
         config.max_num_batched_tokens = self.sizing.max_num_batched_tokens
+        config.overlap_steps = sizing.overlap_for(config, self.device.type)
         # Allocated once; every step writes into it in place. The block past num_blocks is scratch for
         # the padding rows of bucketed decode steps; the block manager never hands it out.
         self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks + 1, config.block_size, head_dim,
@@ -68,23 +71,23 @@ class ModelRunner:
         self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype)
         log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
         eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
-        if self.attention_backend == "flex" or not eager:
+        if self.attention_backend == "flex" or not eager or self.device.type == "cuda":
             flex.start_engine(tuple(self.kv.shape), query_group(model), self.dtype, str(self.device))
-        self.paged: flex.PagedTables | None = None   # the flex backend's decode-row buffers
-        if self.attention_backend == "flex":
-            if not flex.fits(self.device, config.block_size):
-                raise ValueError(f"The 'flex' attention backend needs a block_size that is a multiple of "
-                                 f"{flex.GPU_MIN_BLOCK} on {self.device.type}, not {config.block_size}; "
-                                 "change block_size or use 'gather'.")
-            self.paged = flex.PagedTables(config.max_num_seqs, -(-self.max_len // config.block_size),
-                                          self.num_blocks + 1, config.block_size, query_group(model),
-                                          self.num_blocks, self.device)
+        if self.attention_backend == "flex" and not flex.fits(self.device, config.block_size):
+            raise ValueError(f"The 'flex' attention backend needs a block_size that is a multiple of "
+                             f"{flex.GPU_MIN_BLOCK} on {self.device.type}, not {config.block_size}; "
+                             "change block_size or use 'gather'.")
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
         # (enforce_eager=False), where they run eagerly.
         self.decode_graphs: DecodeGraphs | None = None
         if not eager:
             self.decode_graphs = self._static_decode(model, config)
+        self.paged = self._paged_tables(config)   # eager steps' block tables, when they read the pool in place
+        if self.paged is not None and self.device.type == "cuda":
+            self._warm_prefill()
+        # Decode rows keep their sequences from step to step wherever block tables persist on the device.
+        self.row_order = RowOrder() if self.decode_graphs is not None or self.paged is not None else None
 
     def _static_decode(self, model, config: EngineConfig) -> DecodeGraphs | None:
         """Static decode buffers (graphs on CUDA) with the decode attention asked for, else the first of
@@ -102,10 +105,40 @@ class ModelRunner:
                 return graphs
         return None
 
+    def _paged_tables(self, config: EngineConfig) -> flex.PagedTables | None:
+        """Block-table buffers for eager steps that read the pool in place: always with the flex backend; with
+        gather wherever FlexAttention's decoding kernel is known to run (decode graphs captured with it, or
+        CUDA with no graphs), so that a mixed step copies no context out. Shared with flex decode graphs: the
+        same rows, width and compiled row counts."""
+        graphs = self.decode_graphs
+        if self.attention_backend == "gather":
+            if not flex.fits(self.device, config.block_size):
+                return None
+            if (graphs is not None and not graphs.flex) or (graphs is None and self.device.type != "cuda"):
+                return None
+        elif self.attention_backend != "flex":
+            return None
+        if graphs is not None and graphs.flex:
+            return graphs.paged
+        return flex.PagedTables(config.max_num_seqs, -(-self.max_len // config.block_size), self.num_blocks + 1,
+                                config.block_size, query_group(self.model), self.num_blocks, self.device)
+
+    @torch.inference_mode()
+    def _warm_prefill(self) -> None:
+        """Compile FlexAttention's prefill form now (as steps run it, under inference mode), not in the first
+        step that prefills over a cached prefix."""
+        start = time.perf_counter()
+        _, kv_heads, _ = kv_shape(self.model)
+        flex.warm_prefill(self.paged, self.kv[0, 0], self.kv[1, 0], kv_heads * query_group(self.model))
+        log.info("FlexAttention's prefill form compiled in %.1f s", time.perf_counter() - start)
+
     def describe_steps(self) -> str:
         """How steps run: the attention backend, overlapped or not, and decode graphs (captured, buckets only,
         or none)."""
-        line = f"attention {self.attention_backend}" + ("; steps overlapped" if self.config.overlap_steps else "")
+        line = f"attention {self.attention_backend}"
+        if self.attention_backend == "gather" and self.paged is not None:
+            line += " (cached context read in place)"
+        line += "; steps overlapped" if self.config.overlap_steps else "; steps not overlapped"
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"
@@ -127,6 +160,8 @@ class ModelRunner:
         pending: the previous step's sampled tokens while they are still on their way to the host; a sequence
         whose last token is one of them (`Sequence.pending`) reads it from there."""
         bs = self.config.block_size
+        if self.row_order is not None:   # the order the engine samples in follows the rows
+            batch.decodes = self.row_order.arrange(batch.decodes)
         fixes = [(row, seq.pending) for row, seq in enumerate(batch.decodes) if seq.pending is not None]
         graphs = self.decode_graphs
         if (graphs is not None and not batch.prefills
@@ -136,7 +171,7 @@ class ModelRunner:
         for seq in batch.decodes:
             pos = seq.num_tokens - 1
             table = seq.block_table
-            spans.append(Span(len(ids), 1, pos + 1, table))
+            spans.append(Span(len(ids), 1, pos + 1, table, (seq, seq.num_preemptions)))
             ids.append(seq.token_ids[-1])
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
@@ -176,4 +211,5 @@ class ModelRunner:
         positions = [seq.num_tokens - 1 for seq in seqs]
         slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)]
         return self.decode_graphs.run([seq.token_ids[-1] for seq in seqs], positions, slots,
-                                      [seq.block_table for seq in seqs], pending, fixes)
+                                      [seq.block_table for seq in seqs], pending, fixes,
+                                      [(seq, seq.num_preemptions) for seq in seqs])

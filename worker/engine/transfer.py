@@ -39,6 +39,37 @@ class Staging:
             self.event.record()
 
 
+class StagedBuffer:
+    """`fields` device vectors of up to `capacity` values, each step rewritten for its first n, with a pinned
+    host twin they are copied from.
+
+    Both are laid out per row count: the values for n rows are `fields` x n contiguous elements at the start
+    of the buffer (`device(n)` and `host(n)` are [fields, n] views of them), not n columns of a [fields,
+    capacity] matrix. So whatever n a step takes, its copy is one contiguous pinned block to one contiguous
+    device block, which CUDA queues without waiting; a strided slice of a pinned tensor would be staged
+    through pageable memory first, every step. The caller guards rewrites with a `Staging`."""
+
+    def __init__(self, fields: int, capacity: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.fields, self.capacity = fields, capacity
+        self.device_flat = torch.zeros(fields * capacity, dtype=dtype, device=device)
+        self.host_flat = torch.zeros(fields * capacity, dtype=dtype, pin_memory=device.type == "cuda")
+
+    def device(self, n: int) -> torch.Tensor:
+        return self.device_flat[:self.fields * n].view(self.fields, n)
+
+    def host(self, n: int) -> torch.Tensor:
+        return self.host_flat[:self.fields * n].view(self.fields, n)
+
+    def put(self, values, n: int) -> torch.Tensor:
+        """Write [fields, n] values (nested lists or an array) to the host block and queue its copy; the
+        device view."""
+        host = self.host(n)
+        host.copy_(torch.as_tensor(values, dtype=host.dtype))
+        device = self.device(n)
+        device.copy_(host, non_blocking=True)
+        return device
+
+
 class Readback:
     """A step's sampled token ids on their way to the host: the copy is queued now, waited for in `tolist`."""
 

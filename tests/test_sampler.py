@@ -635,10 +635,11 @@ def reference_allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("vocab,words", [(VOCAB, None), (70, None), (100, 2)], ids=["exact", "ragged", "wider-logits"])
 def test_grammar_masks_apply_to_their_rows_only(vocab: int, words: int | None) -> None:
-    from worker.engine.sampler import GrammarMasks, allowed_tokens
+    from worker.engine.sampler import GrammarMasks, mask_addend
 
     bits = random_masks(2, vocab, seed=vocab, words=words)
-    assert torch.equal(allowed_tokens(bits, vocab), reference_allowed(bits, vocab))
+    addend = mask_addend(bits, vocab)
+    assert torch.equal(addend == 0, reference_allowed(bits, vocab)) and bool(torch.isinf(addend[addend != 0]).all())
     logits = random_logits(4, vocab=vocab)
     masks = GrammarMasks(rows=torch.tensor([3, 1]), bits=bits, every_row=False)
     params = [SamplingParams(temperature=0)] * 4

@@ -282,26 +282,33 @@ class GrammarMasks:
     every_row: bool      # C equals the batch: no row selection needed
 
 
-# Bit j of byte b of a mask row allows token 8 * b + j (llguidance's int32 words, little-endian, read as bytes).
-_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()
+# Bit j of byte b of a mask row allows token 8 * b + j (llguidance's int32 words, little-endian, read as bytes). A
+# mask is applied by adding 0 (allowed: the score unchanged, exactly) or -inf, one lookup of 8 values per byte:
+# several times cheaper on a CPU than filling through a boolean mask.
+_BYTE_ADDEND = torch.zeros(256, 8).masked_fill_(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0,
+                                                float("-inf"))
+_ADDEND_ON: dict[torch.device, torch.Tensor] = {}
 
 
-def allowed_tokens(bits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """bool [C, vocab] from int32 bitmasks [C, words]; columns past the masks' width are disallowed."""
-    table = _BYTE_BITS.to(bits.device)
-    allowed = table[bits.contiguous().view(torch.uint8).long()].view(bits.shape[0], -1)
-    if allowed.shape[1] >= vocab:
-        return allowed[:, :vocab]
-    return torch.cat([allowed, allowed.new_zeros(bits.shape[0], vocab - allowed.shape[1])], dim=1)
+def mask_addend(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [C, vocab] from int32 bitmasks [C, words]: 0 where allowed, -inf elsewhere (columns past the masks'
+    width too)."""
+    table = _ADDEND_ON.get(bits.device)
+    if table is None:
+        table = _ADDEND_ON.setdefault(bits.device, _BYTE_ADDEND.to(bits.device))
+    addend = torch.nn.functional.embedding(bits.contiguous().view(torch.uint8).long(), table).view(bits.shape[0], -1)
+    if addend.shape[1] >= vocab:
+        return addend[:, :vocab]
+    return torch.cat([addend, addend.new_full((bits.shape[0], vocab - addend.shape[1]), float("-inf"))], dim=1)
 
 
 def mask_(scores: torch.Tensor, masks: GrammarMasks) -> None:
     """Disallowed tokens of the constrained rows to -inf, in place; other rows untouched."""
-    allowed = allowed_tokens(masks.bits, scores.shape[1])
+    addend = mask_addend(masks.bits, scores.shape[1])
     if masks.every_row:
-        scores.masked_fill_(~allowed, float("-inf"))
+        scores.add_(addend)
     else:
-        scores.index_copy_(0, masks.rows, scores.index_select(0, masks.rows).masked_fill_(~allowed, float("-inf")))
+        scores.index_add_(0, masks.rows, addend)
 
 
 def penalise_(padded: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> None:

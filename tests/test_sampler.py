@@ -856,3 +856,27 @@ def test_max_new_tokens_zero_only_scores_a_prompt() -> None:
     SamplingParams(max_new_tokens=0, prompt_logprobs=2).validate()
     with pytest.raises(InvalidParamsError, match=r">= 0"):
         SamplingParams(max_new_tokens=-1, prompt_logprobs=2).validate()
+
+
+@pytest.mark.parametrize("candidates", [None, 0], ids=["candidates", "device-path"])
+def test_unconstrained_rows_draw_the_same_beside_a_constrained_one(candidates: int | None) -> None:
+    """Masked scores take another route to their zero weights (exp of -inf is slow on a CPU): the other rows'
+    draws must not notice."""
+    from worker.engine.sampler import GrammarMasks
+
+    vocab, rows = 4096, 24
+    kinds = [dict(temperature=1.0), dict(temperature=0.7, top_k=30), dict(temperature=1.2, top_p=0.9),
+             dict(temperature=0.9, min_p=0.05), dict(temperature=0.8, top_k=40, top_p=0.8, presence_penalty=0.3)]
+    params = [SamplingParams(**kinds[r % len(kinds)]) for r in range(rows)]
+    histories = [[r, r + 1] for r in range(rows)]
+    mates = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=30)]
+    bits = random_masks(2, vocab, seed=2)
+    for step in range(5):
+        logits = peaked_logits(rows + 2, vocab, seed=step)
+        alone = Sampler(candidates)(logits[:rows], params, histories, list(range(rows)))
+        masks = GrammarMasks(rows=torch.tensor([rows, rows + 1]), bits=bits, every_row=False)
+        mixed = Sampler(candidates)(logits, params + mates, histories + [[1], [2]], list(range(rows + 2)),
+                                    masks=masks)
+        assert torch.equal(mixed[:rows], alone), step
+        allowed = reference_allowed(bits, vocab)
+        assert bool(allowed[0, mixed[rows]]) and bool(allowed[1, mixed[rows + 1]])

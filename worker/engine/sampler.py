@@ -397,6 +397,9 @@ def min_p_floor(row_max: torch.Tensor, rows: RowParams) -> torch.Tensor | None:
     return row_max + rows.log_min_p if rows.any_min_p else None
 
 
+_LOWEST = torch.finfo(torch.float32).min   # below it: only -inf
+
+
 def _raised(threshold: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
     return threshold if floor is None else torch.maximum(threshold, floor)
 
@@ -410,9 +413,15 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def draw_full(scores: torch.Tensor, row_max: torch.Tensor, threshold: torch.Tensor | None,
-              u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw over the whole row in token-id order."""
-    weights = (scores - row_max).exp_()
+              u: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """Inverse-CDF draw over the whole row in token-id order. masked: some scores are -inf (grammar masks); exp
+    takes a slow path on them on a CPU, so they get their zero weight from the threshold instead (the other
+    weights are the same bits either way)."""
+    shifted = scores - row_max
+    if masked:
+        shifted.nan_to_num_(neginf=0.0)
+        threshold = _raised(torch.full_like(row_max, _LOWEST), threshold)
+    weights = shifted.exp_()
     if threshold is not None:
         weights.masked_fill_(scores < threshold, 0.0)
     return _inverse_cdf(weights, u).squeeze(1)
@@ -493,7 +502,7 @@ class Sampler:
         if rows.any_temperature:
             scores = scores / rows.temperature
         u = uniforms(rows.key_a, rows.key_b, upload([len(h) for h in histories], torch.int64, device))
-        tokens = self._draw(scores, rows, u)
+        tokens = self._draw(scores, rows, u, masks is not None)
         return tokens if greedy_tokens is None else torch.where(rows.greedy, greedy_tokens, tokens)
 
     def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
@@ -509,21 +518,21 @@ class Sampler:
             return pack_logprobs(logits, tokens, rows.max_logprobs)
         return pack_logprobs(logits.index_select(0, index), tokens.index_select(0, index), rows.max_logprobs)
 
-    def _draw(self, scores: torch.Tensor, rows: RowParams, u: torch.Tensor) -> torch.Tensor:
+    def _draw(self, scores: torch.Tensor, rows: RowParams, u: torch.Tensor, masked: bool) -> torch.Tensor:
         vocab = scores.shape[1]
         row_max = scores.amax(dim=-1, keepdim=True)
         floor = min_p_floor(row_max, rows)
         if not rows.any_filter:
-            return draw_full(scores, row_max, floor, u)
+            return draw_full(scores, row_max, floor, u, masked)
         limit = self.candidates if self.candidates is not None else CPU_CANDIDATES
         if scores.device.type == "cpu" and limit:
-            return self._draw_among_candidates(scores, row_max, floor, rows, u, limit)
+            return self._draw_among_candidates(scores, row_max, floor, rows, u, limit, masked)
         # A top-k cut-off lies among the best max(k) + 1 tokens (no sort); a top-p row without top-k sorts its row.
         width = vocab if rows.any_top_p_without_top_k else min(vocab, rows.max_top_k + 1)
-        return draw_full(scores, row_max, _raised(cutoff(scores, row_max, rows, width).threshold, floor), u)
+        return draw_full(scores, row_max, _raised(cutoff(scores, row_max, rows, width).threshold, floor), u, masked)
 
     def _draw_among_candidates(self, scores: torch.Tensor, row_max: torch.Tensor, floor: torch.Tensor | None,
-                               rows: RowParams, u: torch.Tensor, limit: int) -> torch.Tensor:
+                               rows: RowParams, u: torch.Tensor, limit: int, masked: bool) -> torch.Tensor:
         """CPU: the cut-off among the best tokens (one more than the largest k, so a binding top-k shows), with
         the rows whose cut-off or kept tokens lie further down redone over the whole row. The host reads here
         cost nothing on a CPU, where there is no queue of device work to wait for."""
@@ -532,7 +541,7 @@ class Sampler:
         width = min(vocab, want, MAX_CANDIDATES)
         cut = cutoff(scores, row_max, rows, width)
         if width >= vocab:
-            return draw_full(scores, row_max, _raised(cut.threshold, floor), u)
+            return draw_full(scores, row_max, _raised(cut.threshold, floor), u, masked)
         threshold = cut.threshold
         unknown = cut.unknown.squeeze(1).nonzero().squeeze(1)
         if len(unknown):   # those rows' cut-off lies beyond the candidates: a full sort of just them
@@ -547,6 +556,6 @@ class Sampler:
         redo = beyond.nonzero().squeeze(1)
         if len(redo):
             drawn = draw_full(scores.index_select(0, redo), row_max.index_select(0, redo),
-                              threshold.index_select(0, redo), u.index_select(0, redo))
+                              threshold.index_select(0, redo), u.index_select(0, redo), masked)
             tokens = tokens.index_copy(0, redo, drawn)
         return tokens

@@ -11,7 +11,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from structured import Structure
-from tests.test_engine import QUESTIONS, chat_ids, drain, greedy, no_fallbacks, reference, ref_model, run_all  # noqa: F401
+from tests.test_engine import (QUESTIONS, chat_ids, drain, greedy, no_fallbacks, reference,  # noqa: F401
+                               ref_model, run_all)
 from worker.engine import (EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, RequestFinished,
                            SamplingParams, TokenDelta)
 from worker.engine.detokenizer import token_bytes
@@ -360,7 +361,7 @@ def test_prompt_logprobs_with_an_answer_and_choices(tiny, ref_model):
         [float(scores[i - 1, ids[i]]) for i in range(1, len(ids))], abs=1e-4)
 
 
-# ---- penalties and bias through the engine ----------------------------------------------------------------------------
+# ---- penalties and bias through the engine ----------------------------------------------------------------------
 
 def test_greedy_presence_frequency_and_bias_follow_a_plain_decoding_loop(tiny, ref_model):
     model, tok = tiny

@@ -112,7 +112,7 @@ class LLMEngine:
         self.sampler = Sampler(self.config.sampler_candidates)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.grammars = Grammars(tokenizer, self.eos_ids, self.vocab)
-        self.seqs: dict[str, Sequence] = {}
+        self.seqs: dict[str, Sequence] = {}   # request id -> its first choice (`group` holds them all)
         self.steps = 0
         self.last_batch = (0, 0)
         self._in_flight: InFlight | None = None   # overlapped steps: the last step's tokens, still on the device

@@ -68,7 +68,11 @@ class Grammars:
             grammar = structure.grammar()
         except StructureError as exc:
             raise InvalidParamsError(f"structure: {exc}") from None
-        compiled = llguidance.LLMatcher(self.lltokenizer, grammar, log_level=0)
+        try:
+            lltokenizer = self.lltokenizer
+        except ValueError as exc:   # llguidance reads fast (Rust) tokenizers only
+            raise InvalidParamsError(f"structure: this model's tokenizer cannot constrain answers: {exc}") from None
+        compiled = llguidance.LLMatcher(lltokenizer, grammar, log_level=0)
         if compiled.is_error():
             raise InvalidParamsError(f"structure: the grammar cannot be used: {compiled.get_error()}")
         self.compiles += 1

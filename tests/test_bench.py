@@ -256,3 +256,19 @@ def test_stack_bench_ceiling_streams_synthetic_text_to_open_chats(tmp_path):
     assert figures["open"] == 40 and figures["streaming"] == 10 and figures["streaming_at_end"] == 10
     assert figures["errors"] == [] and figures["delivered_tokens_per_s"] > 0
     assert json.loads((tmp_path / "ceiling.json").read_text())["mode"] == "ceiling"
+
+
+def test_grammar_bench_measures_every_section_on_a_tiny_model(tiny_dir, tmp_path):
+    from bench import grammar
+
+    out_json = tmp_path / "grammar.json"
+    result = grammar.main(["--model", str(tiny_dir), "--workload", WORKLOAD, "--rows", "4", "--repeats", "1",
+                           "--mask-steps", "3", "--engine-new-tokens", "4", "--json", str(out_json)])
+    assert json.loads(out_json.read_text()) == json.loads(json.dumps(result))
+    assert {"compile", "masks", "coverage", "sampler", "engine"} <= set(result)
+    assert result["coverage"]["llguidance"]["pydantic Ticket"] == "yes"
+    assert result["coverage"]["llguidance"]["uniqueItems"].startswith("no: ")
+    assert {r["kind"] for r in result["sampler"]} == set(grammar.KINDS)
+    for table in result["engine"].values():
+        assert table["none"]["steps"] == table["constrained"]["steps"] > 0
+        assert table["constrained_vs_none"] > 0

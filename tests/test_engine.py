@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from worker.engine import cpu_kernel
+from worker.engine.sampler import Sampler
 from worker.engine import (EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, RequestFinished,
                            SamplingParams, TokenDelta)
 from worker.model_loader import load_model
@@ -871,13 +872,12 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where
             return run(batch)
         monkeypatch.setattr(engine.runner, "run", run_failing_with_bad)
     elif where == "sampling":
-        sample = engine.sampler.__call__
-
-        def sample_failing_with_bad(logits, params, history, seeds):
-            if any(h is bad.token_ids for h in history):
-                raise RuntimeError("forced failure")
-            return sample(logits, params, history, seeds)
-        monkeypatch.setattr(engine, "sampler", sample_failing_with_bad)
+        class FailingWithBad(Sampler):
+            def __call__(self, logits, params, histories, *args, **kwargs):
+                if any(h is bad.token_ids for h in histories):
+                    raise RuntimeError("forced failure")
+                return super().__call__(logits, params, histories, *args, **kwargs)
+        monkeypatch.setattr(engine, "sampler", FailingWithBad())
     else:
         def push_failing(ids):
             raise UnicodeError("forced failure")

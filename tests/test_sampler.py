@@ -539,3 +539,344 @@ def test_invalid_params_raise(field: str, value: object) -> None:
 def test_invalid_params_error_is_value_error_with_range() -> None:
     with pytest.raises(ValueError, match=r"temperature must be between 0 and 2 \(0 = greedy\); got -1"):
         SamplingParams(temperature=-1).validate()
+
+
+# --- presence and frequency penalties, logit bias, min_p, grammar masks, log-probabilities -------------------------
+
+
+def reference_counts(row: torch.Tensor, generated: list[int], presence: float, frequency: float) -> torch.Tensor:
+    """OpenAI's definition, token by token: logit -= frequency * count + presence * (count > 0)."""
+    out = row.clone()
+    for token in set(generated):
+        if token < len(out):
+            count = generated.count(token)
+            out[token] -= frequency * count + presence * (count > 0)
+    return out
+
+
+def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
+    settings = [(0.0, 0.0), (1.5, 0.0), (0.0, 0.7), (-0.5, 2.0), (2.0, -2.0), (0.3, 0.3)]
+    params = [SamplingParams(presence_penalty=p, frequency_penalty=f) for p, f in settings]
+    logits = random_logits(len(params))
+    histories = random_histories(len(params))
+    prompt_lens = [3, 0, 5, 9, 1, 4]
+    out = apply_processors(logits, params, histories, prompt_lens)
+    for i, (presence, frequency) in enumerate(settings):
+        want = reference_counts(logits[i], histories[i][prompt_lens[i]:], presence, frequency)
+        torch.testing.assert_close(out[i], want)
+    assert torch.equal(out[0], logits[0])
+    # A token only in the prompt is not penalised.
+    only_prompt = set(histories[2][:5]) - set(histories[2][5:])
+    assert only_prompt and all(out[2, t] == logits[2, t] for t in only_prompt)
+
+
+def test_penalties_combine_with_the_repetition_penalty_in_order() -> None:
+    params = [SamplingParams(repetition_penalty=1.4, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(repetition_penalty=0.8, frequency_penalty=1.0), SamplingParams()]
+    logits = random_logits(3)
+    histories = random_histories(3)
+    out = apply_processors(logits, params, histories, [2, 4, 0])
+    for i, p in enumerate(params):
+        want = hf_row([RepetitionPenaltyLogitsProcessor(p.repetition_penalty)], histories[i], logits[i])
+        want = reference_counts(want, histories[i][[2, 4, 0][i]:], p.presence_penalty, p.frequency_penalty)
+        torch.testing.assert_close(out[i], want)
+
+
+def test_logit_bias_is_added_per_row_and_ids_past_the_vocab_are_dropped() -> None:
+    biases = [{3: 5.0, 10: -100.0}, None, {VOCAB - 1: 0.5, VOCAB + 3: 9.0}, {0: 100.0}]
+    params = [SamplingParams(logit_bias=b) for b in biases]
+    logits = random_logits(len(params))
+    out = apply_processors(logits, params, [[]] * len(params))
+    for i, bias in enumerate(biases):
+        want = logits[i].clone()
+        for token, value in (bias or {}).items():
+            if token < VOCAB:
+                want[token] += value
+        torch.testing.assert_close(out[i], want)
+    assert torch.equal(out[1], logits[1])
+
+
+def test_logit_bias_comes_first_then_the_penalty_sees_it() -> None:
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.5]])
+    out = apply_processors(logits, [SamplingParams(logit_bias={0: -3.0}, repetition_penalty=2.0)], [[0]])
+    assert out[0, 0].item() == pytest.approx(-4.0)   # (1 - 3) * 2: the biased score is negative, so multiplied
+
+
+@pytest.mark.parametrize("config", [dict(min_p=0.1), dict(min_p=0.3, temperature=0.5),
+                                    dict(min_p=0.05, top_k=5, temperature=1.5), dict(min_p=0.2, top_p=0.8)])
+def test_min_p_matches_transformers_after_temperature_top_k_and_top_p(config: dict) -> None:
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    params = SamplingParams(**config)
+    logits = random_logits(1, scale=2.0)
+    greedy = SamplingParams(min_p=params.min_p, temperature=0)
+    out = apply_processors(logits.expand(2, -1).contiguous(), [params, greedy], [[], []])
+    procs: list = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        procs.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        procs.append(TopPLogitsWarper(params.top_p))
+    procs.append(MinPLogitsWarper(params.min_p))
+    assert_same_filtering(out[0], hf_row(procs, [], logits[0]))
+    assert torch.isinf(out[0]).any()
+    assert torch.equal(out[1], logits[0])   # greedy rows skip min_p
+
+
+def random_masks(rows: int, vocab: int, seed: int, words: int | None = None) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    words = words if words is not None else (vocab + 31) // 32
+    return torch.randint(-2**31, 2**31 - 1, (rows, words), generator=g, dtype=torch.int64).to(torch.int32)
+
+
+def reference_allowed(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    return torch.tensor([[bool((int(bits[r, t // 32]) >> (t % 32)) & 1) if t // 32 < bits.shape[1] else False
+                          for t in range(vocab)] for r in range(bits.shape[0])])
+
+
+@pytest.mark.parametrize("vocab,words", [(VOCAB, None), (70, None), (100, 2)], ids=["exact", "ragged", "wider-logits"])
+def test_grammar_masks_apply_to_their_rows_only(vocab: int, words: int | None) -> None:
+    from worker.engine.sampler import GrammarMasks, mask_addend
+
+    bits = random_masks(2, vocab, seed=vocab, words=words)
+    addend = mask_addend(bits, vocab)
+    assert torch.equal(addend == 0, reference_allowed(bits, vocab)) and bool(torch.isinf(addend[addend != 0]).all())
+    logits = random_logits(4, vocab=vocab)
+    masks = GrammarMasks(rows=torch.tensor([3, 1]), bits=bits, every_row=False)
+    params = [SamplingParams(temperature=0)] * 4
+    out = apply_processors(logits, params, [[]] * 4, masks=masks)
+    allowed = reference_allowed(bits, vocab)
+    for row, mask in ((3, allowed[0]), (1, allowed[1])):
+        assert torch.equal(out[row], logits[row].masked_fill(~mask, float("-inf")))
+    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+    # Greedy rows take the argmax of what the mask allows.
+    tokens = Sampler()(logits, params, [[]] * 4, [0] * 4, masks=masks)
+    for row, mask in ((3, allowed[0]), (1, allowed[1])):
+        assert int(tokens[row]) == int(logits[row].masked_fill(~mask, float("-inf")).argmax())
+    assert int(tokens[0]) == int(logits[0].argmax())
+
+
+def test_sampled_rows_draw_only_allowed_tokens() -> None:
+    from worker.engine.sampler import GrammarMasks
+
+    vocab, rows = 200, 64
+    bits = torch.zeros(rows, 7, dtype=torch.int32)
+    allowed = [{(7 * r + j * 13) % vocab for j in range(4)} for r in range(rows)]
+    for r, tokens in enumerate(allowed):
+        for t in tokens:
+            bits[r, t // 32] |= torch.tensor(1 << (t % 32), dtype=torch.int64).to(torch.int32)
+    kinds = [dict(temperature=1.0), dict(temperature=0.7, top_k=2), dict(temperature=1.2, top_p=0.5, min_p=0.1),
+             dict(temperature=0.0), dict(temperature=1.0, logit_bias={5: 50.0})]
+    params = [SamplingParams(**kinds[r % len(kinds)]) for r in range(rows)]
+    masks = GrammarMasks(rows=torch.arange(rows), bits=bits, every_row=True)
+    for candidates in (None, 0):
+        tokens = Sampler(candidates)(random_logits(rows, vocab=vocab, seed=3), params, [[1]] * rows,
+                                     list(range(rows)), masks=masks)
+        assert all(int(t) in allowed[r] for r, t in enumerate(tokens)), candidates
+
+
+def test_greedy_rows_stay_exact_argmax_after_every_processor() -> None:
+    from worker.engine.sampler import GrammarMasks
+
+    logits = random_logits(4, scale=0.5)
+    params = [SamplingParams(temperature=0, logit_bias={7: 1.0}, presence_penalty=0.5, frequency_penalty=0.5,
+                             repetition_penalty=1.3, min_p=0.5, top_k=2),
+              SamplingParams(temperature=0.9, seed=1), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, frequency_penalty=2.0)]
+    histories = [[7, 7, 1, 2, 9], [3], [4, 4], [1, 1, 1, 5]]
+    bits = random_masks(1, VOCAB, seed=9)
+    masks = GrammarMasks(rows=torch.tensor([0]), bits=bits, every_row=False)
+    out = Sampler()(logits, params, histories, [1, 2, 3, 4], prompt_lens=[2, 0, 0, 1], masks=masks)
+    processed = apply_processors(logits, [SamplingParams(**{**p.__dict__, "temperature": 0}) for p in params],
+                                 histories, [2, 0, 0, 1], masks)
+    for row in (0, 2, 3):
+        assert int(out[row]) == int(processed[row].argmax())
+    want0 = reference_counts(hf_row([RepetitionPenaltyLogitsProcessor(1.3)], histories[0],
+                                    logits[0] + torch.nn.functional.one_hot(torch.tensor(7), VOCAB)),
+                             histories[0][2:], 0.5, 0.5)
+    want0 = want0.masked_fill(~reference_allowed(bits, VOCAB)[0], float("-inf"))
+    assert int(out[0]) == int(want0.argmax())
+    assert int(out[3]) == int(reference_counts(logits[3], [1, 1, 5], 0.0, 2.0).argmax())
+
+
+@pytest.mark.parametrize("config", [
+    dict(temperature=0.8, min_p=0.15),
+    dict(temperature=1.1, presence_penalty=1.0, frequency_penalty=0.5, logit_bias={2: 1.5, 9: -2.0}),
+    dict(temperature=0.9, top_k=8, min_p=0.05, logit_bias={0: 3.0}),
+], ids=["min-p", "penalties-and-bias", "top-k-min-p-bias"])
+@pytest.mark.parametrize("candidates", [CPU_CANDIDATES, 0], ids=["candidates", "device-path"])
+def test_draw_frequencies_with_the_new_processors(config: dict, candidates: int) -> None:
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    params = SamplingParams(**config)
+    vocab, rows = 24, 40_000
+    logits_row = random_logits(1, vocab=vocab, seed=6, scale=1.5)[0]
+    history, prompt_len = [0, 3, 3, 7, 11, 9, 9], 2
+    row = logits_row.clone()
+    for token, value in (params.logit_bias or {}).items():
+        row[token] += value
+    row = reference_counts(row, history[prompt_len:], params.presence_penalty, params.frequency_penalty)
+    procs: list = [TemperatureLogitsWarper(params.temperature)]
+    if params.top_k:
+        procs.append(TopKLogitsWarper(params.top_k))
+    if params.min_p:
+        procs.append(MinPLogitsWarper(params.min_p))
+    want = torch.softmax(hf_row(procs, history, row).double(), dim=-1)
+    got = Sampler(candidates)(logits_row.expand(rows, -1), [params] * rows, [history] * rows, list(range(rows)),
+                              prompt_lens=[prompt_len] * rows)
+    freq = torch.bincount(got, minlength=vocab).double() / rows
+    assert bool((freq[want == 0] == 0).all())
+    assert float((freq - want).abs().max()) < 0.012, (freq, want)
+
+
+def test_a_binding_top_k_draws_among_candidates_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """top-k cut-offs are found among k + 1 candidates: the one left out shows that none was cut short, so no
+    row is redrawn over its whole vocabulary."""
+    full = []
+    draw_full = sampler_module.draw_full
+    monkeypatch.setattr(sampler_module, "draw_full", lambda *a: full.append(1) or draw_full(*a))
+    logits = peaked_logits(16, 4096, seed=4)
+    params = [SamplingParams(temperature=0.7, top_k=k, top_p=0.9) for k in (50, 20) * 8]
+    fast = Sampler()(logits, params, [[1]] * 16, list(range(16)))
+    assert full == []
+    assert torch.equal(fast, Sampler(candidates=0)(logits, params, [[1]] * 16, list(range(16))))
+
+
+HOST_READS = ("nonzero", "_local_scalar_dense", "is_nonzero", "item")
+
+
+@pytest.mark.parametrize("kinds", [
+    [SamplingParams(**FULL)],
+    [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=0)],
+    [SamplingParams(temperature=0.7, top_k=40, min_p=0.05, presence_penalty=0.4, logit_bias={3: 2.0})],
+], ids=["top-k-top-p", "top-p-alone", "top-k-min-p-penalties-bias"])
+def test_the_device_path_reads_nothing_on_the_host(kinds: list[SamplingParams]) -> None:
+    """Outside the CPU a read in the middle of a step would wait for the device's queue: none may happen (the CPU
+    runs the same path with candidates=0)."""
+    rows = 12
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    histories = [[1, 2, 3 + i] for i in range(rows)]
+    sampler = Sampler(candidates=0)
+    logits = peaked_logits(rows, 2048, seed=1)
+    sampler(logits, params, histories, list(range(rows)), prompt_lens=[1] * rows)
+    for h in histories:
+        h.append(5)
+    with OpCounter() as counter:
+        sampler(logits, params, histories, list(range(rows)), prompt_lens=[1] * rows)
+    assert not [op for op in counter.ops if any(name in op for name in HOST_READS)]
+    sorts = [op for op in counter.ops if op.startswith("aten.sort")]
+    if any(p.top_p < 1 and not p.top_k for p in params):
+        assert sorts   # a top-p row without top-k: its cut-off may lie anywhere
+    else:   # a top-k cut-off lies among the best max(k) + 1 tokens: no sort
+        assert not sorts and any(op.startswith("aten.topk") for op in counter.ops)
+
+
+@pytest.mark.parametrize("kinds", [
+    [SamplingParams(temperature=0.8, presence_penalty=0.5, frequency_penalty=0.2, min_p=0.1, logit_bias={4: 1.0})],
+    [SamplingParams(temperature=0), SamplingParams(temperature=1.1, logit_bias={1: -5.0}), SamplingParams(**FULL)],
+], ids=["new-processors", "mixed"])
+def test_new_processors_take_a_fixed_number_of_tensor_ops(kinds: list[SamplingParams]) -> None:
+    from worker.engine.sampler import GrammarMasks
+
+    def ops(rows: int) -> list[str]:
+        params = [kinds[i % len(kinds)] for i in range(rows)]
+        histories = [[1, 2, 3 + i, 4] for i in range(rows)]
+        logits = peaked_logits(rows, 2048, seed=rows)
+        bits = random_masks(rows // 2, 2048, seed=rows)
+        masks = GrammarMasks(rows=torch.arange(0, rows, 2), bits=bits, every_row=False)
+        sampler = Sampler()
+        sampler(logits, params, histories, list(range(rows)), prompt_lens=[2] * rows, masks=masks)
+        for h in histories:
+            h.append(5)
+        with OpCounter() as counter:
+            sampler(logits, params, histories, list(range(rows)), prompt_lens=[2] * rows, masks=masks)
+        return counter.ops
+
+    assert ops(6) == ops(96)
+
+
+def test_logprobs_of_sampled_tokens_are_the_raw_distributions() -> None:
+    from worker.engine.logprobs import unpack
+
+    logits = random_logits(5, scale=2.0)
+    params = [SamplingParams(temperature=0.9, logprobs=3, logit_bias={0: 50.0}), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, logprobs=0, repetition_penalty=2.0), SamplingParams(logprobs=5),
+              SamplingParams(temperature=1.5, top_k=2, logprobs=1)]
+    histories = [[1], [2], [3, int(logits[2].argmax())], [4], [5]]
+    seeds = [1, 2, 3, 4, 5]
+    sampler = Sampler()
+    tokens = sampler(logits, params, histories, seeds)
+    packed = sampler.logprobs(logits, tokens, params, seeds).tolist()
+    assert len(packed) == 4
+    reference = logits.log_softmax(dim=-1)
+    for row, values in zip((0, 2, 3, 4), packed):
+        token = int(tokens[row])
+        entry = unpack(token, values, params[row].logprobs, (len(values) - 2) // 2)
+        assert entry.logprob == pytest.approx(float(reference[row, token]), abs=1e-5)
+        assert entry.rank == 1 + int((reference[row] > reference[row, token]).sum())
+        best = reference[row].topk(params[row].logprobs)
+        assert [t for t, _ in entry.top] == best.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(best.values.tolist(), abs=1e-5)
+    assert int(tokens[0]) == 0   # the bias decided the draw; the reported distribution is the model's own
+    assert sampler.logprobs(logits, tokens, [SamplingParams()] * 5, seeds) is None
+
+
+def test_choice_seeds_are_reproducible_distinct_and_in_range() -> None:
+    from worker.engine.sampler import choice_seed
+
+    assert choice_seed(42, 0) == 42
+    seeds = [choice_seed(42, i) for i in range(8)]
+    assert len(set(seeds)) == 8 and all(0 <= s < 2**63 for s in seeds)
+    assert seeds == [choice_seed(42, i) for i in range(8)]
+    assert choice_seed(43, 1) != choice_seed(42, 1)
+
+
+def test_new_params_validate() -> None:
+    SamplingParams(presence_penalty=-2, frequency_penalty=2, logit_bias={"5": -100, 7: 100.0}, min_p=1.0,
+                   logprobs=20, prompt_logprobs=0, n=8, max_new_tokens=0).validate()
+    assert SamplingParams(logit_bias={"12": 1.0}).logit_bias == {12: 1.0}
+    from structured import Structure
+    SamplingParams(structure=Structure()).validate()
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("presence_penalty", 2.5), ("presence_penalty", math.nan), ("frequency_penalty", -2.1),
+    ("frequency_penalty", "1"), ("min_p", -0.1), ("min_p", 1.5), ("logprobs", 21), ("logprobs", -1),
+    ("logprobs", 1.0), ("prompt_logprobs", 21), ("n", 0), ("n", 9), ("n", True), ("structure", {"type": "object"}),
+    ("logit_bias", [1, 2]), ("logit_bias", {"x": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 100.5}),
+    ("logit_bias", {5: math.inf}), ("logit_bias", {i: 1.0 for i in range(301)}),
+])
+def test_invalid_new_params_raise(field: str, value: object) -> None:
+    with pytest.raises(InvalidParamsError, match=field):
+        SamplingParams(**{field: value}).validate()
+
+
+def test_max_new_tokens_zero_only_scores_a_prompt() -> None:
+    with pytest.raises(InvalidParamsError, match=r"max_new_tokens must be an integer >= 1"):
+        SamplingParams(max_new_tokens=0).validate()
+    SamplingParams(max_new_tokens=0, prompt_logprobs=2).validate()
+    with pytest.raises(InvalidParamsError, match=r">= 0"):
+        SamplingParams(max_new_tokens=-1, prompt_logprobs=2).validate()
+
+
+@pytest.mark.parametrize("candidates", [None, 0], ids=["candidates", "device-path"])
+def test_unconstrained_rows_draw_the_same_beside_a_constrained_one(candidates: int | None) -> None:
+    """Masked scores take another route to their zero weights (exp of -inf is slow on a CPU): the other rows'
+    draws must not notice."""
+    from worker.engine.sampler import GrammarMasks
+
+    vocab, rows = 4096, 24
+    kinds = [dict(temperature=1.0), dict(temperature=0.7, top_k=30), dict(temperature=1.2, top_p=0.9),
+             dict(temperature=0.9, min_p=0.05), dict(temperature=0.8, top_k=40, top_p=0.8, presence_penalty=0.3)]
+    params = [SamplingParams(**kinds[r % len(kinds)]) for r in range(rows)]
+    histories = [[r, r + 1] for r in range(rows)]
+    mates = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=30)]
+    bits = random_masks(2, vocab, seed=2)
+    for step in range(5):
+        logits = peaked_logits(rows + 2, vocab, seed=step)
+        alone = Sampler(candidates)(logits[:rows], params, histories, list(range(rows)))
+        masks = GrammarMasks(rows=torch.tensor([rows, rows + 1]), bits=bits, every_row=False)
+        mixed = Sampler(candidates)(logits, params + mates, histories + [[1], [2]], list(range(rows + 2)),
+                                    masks=masks)
+        assert torch.equal(mixed[:rows], alone), step
+        allowed = reference_allowed(bits, vocab)
+        assert bool(allowed[0, mixed[rows]]) and bool(allowed[1, mixed[rows + 1]])

@@ -2,8 +2,8 @@
 
 from .config import EngineConfig
 from .engine import InvalidRequestError, LLMEngine, RequestStream
-from .outputs import EngineStats, Event, RequestFinished, TokenDelta
+from .outputs import EngineStats, Event, RequestFinished, TokenDelta, TokenLogprob
 from .sampling_params import InvalidParamsError, SamplingParams
 
 __all__ = ["EngineConfig", "EngineStats", "Event", "InvalidParamsError", "InvalidRequestError", "LLMEngine",
-           "RequestFinished", "RequestStream", "SamplingParams", "TokenDelta"]
+           "RequestFinished", "RequestStream", "SamplingParams", "TokenDelta", "TokenLogprob"]

@@ -24,8 +24,8 @@ class EngineConfig:
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
                                          # runs (engine.py); None: on on CUDA, off on CPU (sizing.py), where
                                          # it would only delay every token by a step
-    sampler_candidates: int | None = None  # top-k/top-p searched among this many best tokens first (0: a full
-                                           # sort); None: 256 on CPU, a full sort elsewhere (sampler.py)
+    sampler_candidates: int | None = None  # CPU: top-k/top-p searched among this many best tokens first (0: the
+                                           # device path); None: 256. Elsewhere never: no host reads (sampler.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 try:
     from tokenizers.decoders import DecodeStream
 except ImportError:   # tokenizers without a streaming decoder: every tokenizer decodes by windows
@@ -101,3 +103,53 @@ class IncrementalDetokenizer:
             if any(s.startswith(tail) for s in self.stop):
                 return n
         return 0
+
+
+# ---- each token's own bytes (OpenAI's logprobs `token` and `bytes` fields) ------------------------------------------
+
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet read backwards: the printable character that stands for each byte -> the byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+BYTE_DECODER = _byte_decoder()
+_HEX_BYTE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _is_byte_level(tokenizer) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None) or getattr(tokenizer, "_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return decoder is not None and type(decoder).__name__ == "ByteLevel"
+
+
+def token_bytes(tokenizer, ids: list[int]) -> list[bytes]:
+    """Each token id's own bytes, which need not be whole characters.
+
+    Byte-level BPE vocabularies (GPT-2, SmolLM2, Qwen) spell bytes with printable stand-ins ("Ġ" is a space):
+    they are mapped back. SentencePiece ones spell a space as "▁" and a byte it has no piece for as "<0xNN>".
+    Added tokens (<|im_end|>, say) are their own text.
+    """
+    pieces = tokenizer.convert_ids_to_tokens(list(ids))
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    byte_level = _is_byte_level(tokenizer)
+    out: list[bytes] = []
+    for token_id, piece in zip(ids, pieces):
+        if piece is None:
+            out.append(b"")
+        elif token_id in added:
+            out.append(added[token_id].content.encode())
+        elif byte_level:
+            out.append(b"".join(bytes([BYTE_DECODER[c]]) if c in BYTE_DECODER else c.encode() for c in piece))
+        elif match := _HEX_BYTE.match(piece):
+            out.append(bytes([int(match.group(1), 16)]))
+        else:
+            out.append(piece.replace("\u2581", " ").encode())
+    return out

@@ -11,12 +11,14 @@ from dataclasses import dataclass
 
 import torch
 
+from . import logprobs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
-from .model_runner import ModelRunner
-from .outputs import EngineStats, Event, RequestFinished, TokenDelta
-from .sampler import Pending, Sampler, random_seed
+from .grammar import Grammars
+from .model_runner import ModelRunner, _text_config
+from .outputs import EngineStats, Event, RequestFinished, TokenDelta, TokenLogprob
+from .sampler import Pending, Sampler, choice_seed, random_seed
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler
 from .sequence import PENDING, Sequence, Status
@@ -27,10 +29,30 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class InFlight:
-    """A step's sampled tokens not yet read back: row i is the next token of seqs[i]."""
+    """A step's sampled tokens not yet read back: row i is the next token of seqs[i]; with the log-probabilities
+    of those whose requests asked, packed (logprobs.pack), in the same order."""
 
     seqs: list[Sequence]
     readback: Readback
+    logprobs: Readback | None = None
+
+
+@dataclass
+class StepRows:
+    """Where a step's logits rows go, in the order ModelRunner.run keeps them."""
+
+    sampling: list[Sequence]   # sequences whose next token comes from this step's logits
+    rows: list[int]            # the row of each
+    prompts: list[tuple[Sequence, int, int, int]]   # scored prompt chunks: (sequence, first position, first row, rows)
+
+
+@dataclass
+class PromptScores:
+    """Prompt tokens' log-probabilities of a step, packed on the device until `_record_prompts` reads them."""
+
+    spans: list[tuple[Sequence, int, int]]   # (sequence, first position scored, positions)
+    top: int
+    packed: torch.Tensor
 
 
 class InvalidRequestError(ValueError):
@@ -81,6 +103,7 @@ class LLMEngine:
         self.config = config or EngineConfig()
         self.config.validate()
         self.tokenizer = tokenizer
+        self.vocab = self._logits_width(model)
         self.runner = ModelRunner(model, self.config)
         self.device = self.runner.device
         self.max_model_len = self.runner.max_len
@@ -88,7 +111,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.config.sampler_candidates)
         self.eos_ids = self._eos_ids(model, tokenizer)
-        self.seqs: dict[str, Sequence] = {}
+        self.grammars = Grammars(tokenizer, self.eos_ids, self.vocab)
+        self.seqs: dict[str, Sequence] = {}   # request id -> its first choice (`group` holds them all)
         self.steps = 0
         self.last_batch = (0, 0)
         self._in_flight: InFlight | None = None   # overlapped steps: the last step's tokens, still on the device
@@ -99,6 +123,12 @@ class LLMEngine:
         self._streams: dict[str, RequestStream] = {}
         self._thread: threading.Thread | None = None
         self._stopping = False
+
+    @staticmethod
+    def _logits_width(model) -> int:
+        """Columns of the model's logits: its lm_head may be wider than the tokenizer's vocabulary."""
+        weight = getattr(model.get_output_embeddings(), "weight", None)
+        return int(weight.shape[0]) if weight is not None else int(_text_config(model).vocab_size)
 
     @staticmethod
     def _eos_ids(model, tokenizer) -> set[int]:
@@ -122,7 +152,10 @@ class LLMEngine:
     def make_sequence(self, request_id: str, prompt_token_ids: list[int] | None = None,
                       messages: list[dict] | None = None, params: SamplingParams | None = None,
                       arrival_time: float | None = None) -> Sequence:
-        """Validate a request and build its state; raises InvalidRequestError or InvalidParamsError."""
+        """Validate a request and build its state; raises InvalidRequestError or InvalidParamsError.
+
+        Returns the first choice; `group` holds all n. A structure is compiled here, in the caller's thread (once
+        per distinct structure: later requests copy the compiled matcher)."""
         params = params or SamplingParams()
         params.validate()
         if (prompt_token_ids is None) == (messages is None):
@@ -139,10 +172,20 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"The prompt is {len(ids)} tokens but the KV cache holds only {pool_tokens}. "
                 "Shorten the prompt or give the engine a larger KV cache.")
-        return Sequence(request_id=request_id, prompt_token_ids=ids, params=params,
-                        arrival_time=arrival_time or time.time(),
-                        seed=params.seed if params.seed is not None else random_seed(),
-                        detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop))
+        outside = sorted(t for t in (params.logit_bias or {}) if t >= self.vocab)
+        if outside:
+            raise InvalidRequestError(f"logit_bias names token ids the model does not have: {outside[:5]}; "
+                                      f"its ids run from 0 to {self.vocab - 1}.")
+        seed = params.seed if params.seed is not None else random_seed()
+        arrival_time = arrival_time or time.time()
+        group = [Sequence(
+            request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=arrival_time,
+            seed=choice_seed(seed, index), detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            index=index, matcher=self.grammars.matcher(params.structure) if params.structure is not None else None,
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else []) for index in range(params.n)]
+        for seq in group:
+            seq.group = group
+        return group[0]
 
     # ---- synchronous API: the caller drives step() -------------------------------------------
 
@@ -157,13 +200,15 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise InvalidRequestError(f"Request id {seq.request_id!r} is already in use; use a new id.")
         self.seqs[seq.request_id] = seq
-        self.scheduler.add(seq)
+        for choice in seq.group:
+            self.scheduler.add(choice)
 
     def abort_request(self, request_id: str) -> list[Event]:
+        """Cancel every choice of the request."""
         seq = self.seqs.get(request_id)
         if seq is None:
             return []
-        return self._finish(seq, "cancelled")
+        return [event for choice in seq.group for event in self._finish(choice, "cancelled")]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self._in_flight is not None
@@ -183,6 +228,9 @@ class LLMEngine:
         loses its row of that pass. The pass's tokens are drawn before the last step's are read back, so the
         device has the draw queued behind the pass, and the host's reading, scheduling and building of the
         next step all happen while it works.
+
+        A step with a grammar-constrained row is drawn after the read-back instead: the row's mask needs its last
+        token consumed by its matcher on the host. The forward passes still overlap the read-backs.
         """
         batch, impossible = self.scheduler.schedule()
         events: list[Event] = []
@@ -201,10 +249,14 @@ class LLMEngine:
             emit(events + self._land())
             emit(self._run_one_by_one(batch))
             return
-        sampling = self._computed(batch)
-        drawn = self._draw_ahead(sampling, logits) if self.config.overlap_steps else None
+        step = self._computed(batch)
+        scores = self._score_prompts(step, logits)
+        sampling, logits = self._sampling(step, logits)
+        ahead = self.config.overlap_steps and not any(seq.matcher is not None for seq in sampling)
+        drawn = self._draw_ahead(sampling, logits) if ahead else None
         emit(events + self._land())   # the last step's tokens, read while this pass runs on the device
         self._register(batch)
+        emit(self._record_prompts(step, scores))
         if drawn is not None:
             self._take_off(sampling, drawn)
             return
@@ -215,7 +267,48 @@ class LLMEngine:
         if sampling:
             emit(self._sample(sampling, logits, defer=self.config.overlap_steps))
 
-    def _draw_ahead(self, sampling: list[Sequence], logits) -> Readback | None:
+    def _sampling(self, step: StepRows, logits) -> tuple[list[Sequence], torch.Tensor]:
+        """The sequences that draw a token from this step, and their logits rows. A request that only scores its
+        prompt (max_new_tokens 0) draws nothing."""
+        pairs = [(seq, row) for seq, row in zip(step.sampling, step.rows) if seq.params.max_new_tokens > 0]
+        if len(pairs) == logits.shape[0]:   # rows ascend: all of them, in order
+            return step.sampling, logits
+        return [seq for seq, _ in pairs], logits[upload([row for _, row in pairs], torch.long, logits.device)]
+
+    def _score_prompts(self, step: StepRows, logits) -> PromptScores | None:
+        """Queue the log-probabilities of the prompt tokens this step's chunks score: row j of a chunk holds
+        position first + j, whose logits score the prompt token after it."""
+        rows, targets, spans = [], [], []
+        for seq, first, row, n in step.prompts:
+            end = min(first + n, seq.num_prompt_tokens - 1)   # the last prompt position scores the first answer token
+            rows.extend(range(row, row + end - first))
+            targets.extend(seq.prompt_token_ids[first + 1:end + 1])
+            spans.append((seq, first + 1, end - first))
+        if not rows:
+            return None
+        top = max(seq.params.prompt_logprobs for seq, *_ in step.prompts)
+        device = logits.device
+        packed = logprobs.pack(logits[upload(rows, torch.long, device)], upload(targets, torch.long, device), top)
+        return PromptScores(spans, top, packed)
+
+    def _record_prompts(self, step: StepRows, scores: PromptScores | None) -> list[Event]:
+        """Keep the step's prompt log-probabilities (a chunk computed again after a preemption adds nothing), and
+        end the requests that only scored their prompt."""
+        if scores is not None:
+            values, k = scores.packed.tolist(), 0
+            for seq, first, count in scores.spans:
+                for position in range(first, first + count):
+                    if position == len(seq.prompt_logprobs):
+                        seq.prompt_logprobs.append(logprobs.unpack(
+                            seq.token_ids[position], values[k], seq.params.prompt_logprobs, scores.top))
+                    k += 1
+        events: list[Event] = []
+        for seq in step.sampling:
+            if seq.params.max_new_tokens == 0:
+                events += self._finish(seq, "length")
+        return events
+
+    def _draw_ahead(self, sampling: list[Sequence], logits) -> tuple[Readback, Readback | None] | None:
         """The step's tokens, drawn before the last step's are read back: a pending token holds its place in
         its sequence and, for a repetition penalty, is read on the device. None: a failure, sampled again
         after reading back, where it is isolated to its request."""
@@ -224,20 +317,28 @@ class LLMEngine:
         flight = self._in_flight
         pending = Pending(flight.readback.tokens, [s.pending for s in sampling]) if flight else None
         try:
-            tokens = self._draw(sampling, logits, pending)
+            tokens, packed = self._draw(sampling, logits, pending)
         except Exception:
             log.exception("drawing the step's tokens ahead failed; drawing them after reading back")
             return None
-        return Readback(tokens)
+        return Readback(tokens), Readback(packed) if packed is not None else None
 
-    def _draw(self, sampling: list[Sequence], logits, pending: Pending | None = None):
-        """The sampler over the sequences' rows: their tokens, as a device tensor."""
-        return self.sampler(logits, [s.params for s in sampling], [s.token_ids for s in sampling],
-                            [s.seed for s in sampling], pending)
+    def _draw(self, sampling: list[Sequence], logits,
+              pending: Pending | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The sampler over the sequences' rows: their tokens as a device tensor, and the packed log-probabilities
+        of those whose requests asked (None when none did). Constrained rows get their grammar's masks, which
+        need every row's last token known."""
+        params, seeds = [s.params for s in sampling], [s.seed for s in sampling]
+        masks = None
+        if any(s.matcher is not None for s in sampling):
+            masks = self.grammars.masks([s.matcher for s in sampling], logits.device)
+        tokens = self.sampler(logits, params, [s.token_ids for s in sampling], seeds, pending,
+                              prompt_lens=[s.num_prompt_tokens for s in sampling], masks=masks)
+        return tokens, self.sampler.logprobs(logits, tokens, params, seeds)
 
-    def _take_off(self, sampling: list[Sequence], readback: Readback) -> None:
+    def _take_off(self, sampling: list[Sequence], drawn: tuple[Readback, Readback | None]) -> None:
         """Leave the step's tokens in flight: each sequence that goes on gets a placeholder for its token."""
-        self._in_flight = InFlight(sampling, readback)
+        self._in_flight = InFlight(sampling, *drawn)
         for row, seq in enumerate(sampling):
             if not seq.finished:   # finished while its row ran: that token is dropped
                 seq.token_ids.append(PENDING)
@@ -248,15 +349,29 @@ class LLMEngine:
         flight, self._in_flight = self._in_flight, None
         if flight is None:
             return []
-        seqs, tokens = [], []
-        for seq, token in zip(flight.seqs, flight.readback.tolist()):
+        tokens = flight.readback.tolist()
+        found = self._token_logprobs(flight.seqs, tokens, flight.logprobs.tolist() if flight.logprobs else None)
+        seqs, landed, entries = [], [], []
+        for i, (seq, token) in enumerate(zip(flight.seqs, tokens)):
             if seq.pending is None:   # finished meanwhile (cancelled, say): the token is dropped
                 continue
             seq.token_ids.pop()
             seq.pending = None
             seqs.append(seq)
-            tokens.append(token)
-        return self._append_tokens(seqs, tokens)
+            landed.append(token)
+            entries.append(found[i] if found else None)
+        return self._append_tokens(seqs, landed, entries if found else None)
+
+    @staticmethod
+    def _token_logprobs(seqs: list[Sequence], tokens: list[int],
+                        packed: list[list[float]] | None) -> list[TokenLogprob | None] | None:
+        """Packed rows (one per sequence that asked, in order) as one entry per sequence."""
+        if packed is None:
+            return None
+        width = (len(packed[0]) - 2) // 2
+        rows = iter(packed)
+        return [logprobs.unpack(token, next(rows), seq.params.logprobs, width) if seq.params.logprobs is not None
+                else None for seq, token in zip(seqs, tokens)]
 
     def _run_one_by_one(self, batch: Batch) -> list[Event]:
         """Find the request that breaks a forward pass: it fails, every other request goes on.
@@ -276,23 +391,34 @@ class LLMEngine:
         return events
 
     def _advance(self, batch: Batch, logits) -> list[Event]:
-        sampling = self._computed(batch)
+        step = self._computed(batch)
+        scores = self._score_prompts(step, logits)
+        sampling, logits = self._sampling(step, logits)
         self._register(batch)
-        return self._sample(sampling, logits, defer=False) if sampling else []
+        events = self._record_prompts(step, scores)
+        return events + (self._sample(sampling, logits, defer=False) if sampling else [])
 
-    def _computed(self, batch: Batch) -> list[Sequence]:
-        """Count the tokens the step's pass computed; return the sequences that sample from its logits."""
-        sampling = list(batch.decodes)
+    def _computed(self, batch: Batch) -> StepRows:
+        """Count the tokens the step's pass computed; say which logits rows sample and which score prompts."""
+        sampling, rows, prompts = list(batch.decodes), list(range(len(batch.decodes))), []
+        row = len(batch.decodes)
         for seq, n in batch.prefills:
+            first, scored = seq.num_computed_tokens, seq.wants_prompt_logprobs   # as the runner saw them
             seq.num_computed_tokens += n
-            if seq.num_computed_tokens == seq.num_tokens:
+            seq.prefilled = seq.prefilled or seq.num_computed_tokens >= seq.num_prompt_tokens
+            done = seq.num_computed_tokens == seq.num_tokens
+            if scored:
+                prompts.append((seq, first, row, n))
+            row += n if scored else int(done)
+            if done:
                 sampling.append(seq)
+                rows.append(row - 1)
         for seq in batch.decodes:
             seq.num_computed_tokens += 1
         for seq in batch.decodes + [s for s, _ in batch.prefills]:
             seq.batch_size_sum += batch.num_seqs
             seq.steps += 1
-        return sampling
+        return StepRows(sampling, rows, prompts)
 
     def _register(self, batch: Batch) -> None:
         """Offer the blocks the step filled to the prefix cache (their token ids must all be known by now).
@@ -309,30 +435,36 @@ class LLMEngine:
     def _sample(self, sampling: list[Sequence], logits, defer: bool) -> list[Event]:
         """Pick each sequence's next token; `defer` leaves the tokens on the device, in flight, for now."""
         try:
-            tokens = self._draw(sampling, logits)
+            tokens, packed = self._draw(sampling, logits)
         except Exception:
             log.exception("sampling failed; sampling each request alone")
             return self._sample_one_by_one(sampling, logits)
         if not defer:
-            return self._append_tokens(sampling, tokens.tolist())
-        self._take_off(sampling, Readback(tokens))
+            ids = tokens.tolist()
+            return self._append_tokens(sampling, ids, self._token_logprobs(
+                sampling, ids, packed.tolist() if packed is not None else None))
+        self._take_off(sampling, (Readback(tokens), Readback(packed) if packed is not None else None))
         return []
 
     def _sample_one_by_one(self, sampling: list[Sequence], logits) -> list[Event]:
-        events, ok, tokens = [], [], []
+        events = []
         for seq, row in zip(sampling, logits):
             try:
-                tokens.append(self.sampler(row[None], [seq.params], [seq.token_ids], [seq.seed]).item())
-                ok.append(seq)
+                tokens, packed = self._draw([seq], row[None])
+                ids = tokens.tolist()
+                entries = self._token_logprobs([seq], ids, packed.tolist() if packed is not None else None)
             except Exception as exc:
                 events += self._fail(seq, exc)
-        return events + self._append_tokens(ok, tokens)
+                continue
+            events += self._append_tokens([seq], ids, entries)
+        return events
 
-    def _append_tokens(self, seqs: list[Sequence], tokens: list[int]) -> list[Event]:
+    def _append_tokens(self, seqs: list[Sequence], tokens: list[int],
+                       entries: list[TokenLogprob | None] | None = None) -> list[Event]:
         now, events = time.time(), []
-        for seq, token in zip(seqs, tokens):
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
             try:
-                events += self._append_token(seq, token, now)
+                events += self._append_token(seq, token, now, entries[i] if entries else None)
             except Exception as exc:   # e.g. a stop-string or detokenizer failure: this request only
                 events += self._fail(seq, exc)
         return events
@@ -341,16 +473,24 @@ class LLMEngine:
         log.error("request %s failed: %s: %s", seq.request_id, type(exc).__name__, exc, exc_info=exc)
         return self._finish(seq, "error", error=f"{type(exc).__name__}: {exc}")
 
-    def _append_token(self, seq: Sequence, token: int, now: float) -> list[Event]:
+    def _append_token(self, seq: Sequence, token: int, now: float, entry: TokenLogprob | None = None) -> list[Event]:
         seq.token_ids.append(token)
+        if entry is not None:
+            seq.logprobs.append(entry)
         if seq.first_token_time is None:
             seq.first_token_time = now
         text = seq.detokenizer.push([token])
-        events: list[Event] = [TokenDelta(seq.request_id, text, [token])]
+        events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
+                                          logprobs=[entry] if entry is not None else None)]
         if seq.detokenizer.stopped:
             return events + self._finish(seq, "stop")
         if token in self.eos_ids and not seq.params.ignore_eos:
             return events + self._finish(seq, "stop")
+        if seq.matcher is not None:
+            if not seq.matcher.consume_token(token):
+                raise RuntimeError(f"token {token} does not fit the answer's structure: {seq.matcher.get_error()}")
+            if seq.matcher.is_stopped():   # the value is complete: nothing but EOS could follow
+                return events + self._finish(seq, "stop")
         if seq.num_completion_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len:
             return events + self._finish(seq, "length")
         return events
@@ -362,13 +502,15 @@ class LLMEngine:
             seq.token_ids.pop()
             seq.pending = None
         self.scheduler.remove(seq)
-        self.seqs.pop(seq.request_id, None)
         seq.status, seq.finish_reason, seq.error = Status.FINISHED, reason, error
         seq.finished_time = time.time()
+        last = all(choice.finished for choice in seq.group)
+        if last and self.seqs.get(seq.request_id) is seq.leader:
+            del self.seqs[seq.request_id]
         events: list[Event] = []
         tail = seq.detokenizer.flush()
         if tail:
-            events.append(TokenDelta(seq.request_id, tail, []))
+            events.append(TokenDelta(seq.request_id, tail, [], index=seq.index))
         events.append(RequestFinished(
             request_id=seq.request_id, text=seq.detokenizer.text, token_ids=seq.completion_token_ids,
             finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
@@ -376,7 +518,9 @@ class LLMEngine:
             arrival_time=seq.arrival_time, admitted_time=seq.admitted_time,
             first_token_time=seq.first_token_time, finished_time=seq.finished_time,
             mean_batch_size=seq.batch_size_sum / seq.steps if seq.steps else 0.0,
-            preemptions=seq.num_preemptions, error=error))
+            preemptions=seq.num_preemptions, error=error, finished=last, index=seq.index,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs_result(), prompt_token_ids=list(seq.prompt_token_ids)))
         return events
 
     def release_model(self) -> None:
@@ -488,7 +632,8 @@ class LLMEngine:
         self._in_flight = None
         events: list[Event] = []
         for seq in list(self.seqs.values()) + list(more):
-            events += self._finish(seq, "error", error=error)
+            for choice in seq.group:
+                events += self._finish(choice, "error", error=error)
         return events
 
     def _dispatch(self, events: list[Event]) -> None:

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model's own distribution (before penalties, temperature, filters
+    and grammar masks), its rank there (1 = the most likely token) and the most likely tokens, best first."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]   # (token id, log-probability); as many as the request asked for
 
 
 @dataclass
@@ -11,6 +22,8 @@ class TokenDelta:
     text: str                 # new text since the last delta (may be "" while a character is incomplete)
     token_ids: list[int]      # tokens sampled this step
     finished: bool = False
+    index: int = 0            # the choice (0 .. n-1) these tokens belong to
+    logprobs: list[TokenLogprob] | None = None   # one per token in token_ids, when the request asked
 
 
 @dataclass
@@ -29,7 +42,12 @@ class RequestFinished:
     mean_batch_size: float    # sequences sharing this request's forward passes, on average
     preemptions: int = 0
     error: str | None = None
+    # The request's last event: with n choices, only the last choice to end carries True.
     finished: bool = True
+    index: int = 0            # the choice this ends
+    logprobs: list[TokenLogprob] | None = None   # one per completion token, when the request asked
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # one per prompt token (the first is None)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
     @property
     def queue_wait(self) -> float | None:

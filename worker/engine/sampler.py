@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 
 import torch
 
+from worker.engine.logprobs import pack as pack_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.transfer import upload
 
-# On CPU the top-k/top-p cut-off is looked for among this many best tokens first (a partial sort); rows whose
-# cut-off lies further down fall back to a full sort. Elsewhere a full sort by default, which needs no host read
-# in the middle of a step (EngineConfig.sampler_candidates chooses, for measuring either on a GPU).
+# On CPU, where reading a tensor on the host costs nothing, the top-k/top-p cut-off is looked for among this many
+# best tokens first (a partial sort), and only rows whose cut-off or kept tokens lie further down are redone over the
+# whole row (EngineConfig.sampler_candidates; 0 takes the device path on CPU too). On a device nothing is read on
+# the host in the middle of a step: a top-k cut-off is found among the best max(k) + 1 tokens, and only a top-p row
+# without a top-k sorts its whole row.
 CPU_CANDIDATES = 256
 MAX_CANDIDATES = 1024
 _M32 = 0xFFFFFFFF
@@ -22,6 +26,17 @@ _M32 = 0xFFFFFFFF
 def random_seed() -> int:
     """A seed for a request that brought none: its draws are then still random, and still batch-independent."""
     return secrets.randbits(63)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice `index` of a request with n choices: the request's own for the first, and one derived
+    from it for the others, so a seeded request's choices are reproducible and differ from each other."""
+    if index == 0:
+        return seed
+    a, b = seed_keys(seed)
+    hi = mix32(a ^ mix32(index & _M32))
+    lo = mix32(b ^ mix32(hi ^ 0x27D4EB2F))
+    return ((hi << 31) ^ lo) & (2**63 - 1)
 
 
 # ---- counter-based randomness: one uniform per (seed, position), the same in any batch ------------------------
@@ -56,6 +71,15 @@ def uniforms(key_a: torch.Tensor, key_b: torch.Tensor, positions: torch.Tensor) 
 # ---- per-row parameters, built once per set of requests ----------------------------------------------------------
 
 @dataclass
+class Bias:
+    """Every row's logit_bias as three flat tensors (a sparse [rows, vocab] table): scores[rows, ids] += values."""
+
+    rows: torch.Tensor     # int64 [E]
+    ids: torch.Tensor      # int64 [E]
+    values: torch.Tensor   # float32 [E]
+
+
+@dataclass
 class RowParams:
     """The batch's sampling parameters as [rows, 1] tensors, plus what the host must know to pick kernels."""
 
@@ -64,19 +88,34 @@ class RowParams:
     top_k: torch.Tensor         # int64 [R, 1], the vocab size where off
     top_p: torch.Tensor         # float32 [R, 1], inf where off
     penalty: torch.Tensor       # float32 [R, 1], 1 where off
+    presence: torch.Tensor      # float32 [R, 1], 0 where off
+    frequency: torch.Tensor     # float32 [R, 1], 0 where off
+    log_min_p: torch.Tensor     # float32 [R, 1]: log(min_p), -inf where off and for greedy rows
     restricted: torch.Tensor    # bool [R, 1]: a sampled row with top-k or top-p
     has_top_k: torch.Tensor     # bool [R, 1]
     key_a: torch.Tensor         # int64 [R]
     key_b: torch.Tensor         # int64 [R]
+    bias: Bias | None
     penalised: list[bool]
+    counted: list[bool]         # rows with a presence or frequency penalty (over their generated tokens)
+    logprob_rows: list[int]     # rows that report their sampled tokens' log-probabilities
+    logprob_index: torch.Tensor | None   # int64 [len(logprob_rows)], None when no row does
+    max_logprobs: int
     all_greedy: bool
     any_greedy: bool
     any_penalty: bool
+    any_counted: bool
     any_temperature: bool
     any_filter: bool
+    any_min_p: bool
     any_top_p: bool
     any_top_p_without_top_k: bool
     max_top_k: int
+
+    @property
+    def any_processor(self) -> bool:
+        """A processor that changes the scores greedy rows take their argmax of."""
+        return self.any_penalty or self.any_counted or self.bias is not None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], vocab: int,
@@ -87,9 +126,14 @@ class RowParams:
         top_p_on = [not g and p.top_p < 1.0 for p, g in zip(params, greedy)]
         top_p = [float(p.top_p) if on else float("inf") for p, on in zip(params, top_p_on)]
         penalty = [float(p.repetition_penalty) for p in params]
+        presence = [float(p.presence_penalty) for p in params]
+        frequency = [float(p.frequency_penalty) for p in params]
+        counted = [a != 0.0 or b != 0.0 for a, b in zip(presence, frequency)]
+        min_p = [0.0 if g else float(p.min_p) for p, g in zip(params, greedy)]
         has_k = [k < vocab for k in top_k]
         restricted = [k or p for k, p in zip(has_k, top_p_on)]
         keys = [seed_keys(s) for s in seeds]
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         column = dict(dtype=torch.float32, device=device)
         return cls(
             greedy=upload(greedy, torch.bool, device),
@@ -97,26 +141,47 @@ class RowParams:
             top_k=upload(top_k, torch.int64, device).unsqueeze(1),
             top_p=upload(top_p, **column).unsqueeze(1),
             penalty=upload(penalty, **column).unsqueeze(1),
+            presence=upload(presence, **column).unsqueeze(1),
+            frequency=upload(frequency, **column).unsqueeze(1),
+            log_min_p=upload([math.log(m) if m > 0 else float("-inf") for m in min_p], **column).unsqueeze(1),
             restricted=upload(restricted, torch.bool, device).unsqueeze(1),
             has_top_k=upload(has_k, torch.bool, device).unsqueeze(1),
             key_a=upload([a for a, _ in keys], torch.int64, device),
             key_b=upload([b for _, b in keys], torch.int64, device),
+            bias=_bias(params, vocab, device),
             penalised=[p != 1.0 for p in penalty],
+            counted=counted,
+            logprob_rows=logprob_rows,
+            logprob_index=upload(logprob_rows, torch.int64, device) if logprob_rows else None,
+            max_logprobs=max((params[i].logprobs for i in logprob_rows), default=0),
             all_greedy=all(greedy),
             any_greedy=any(greedy),
             any_penalty=any(p != 1.0 for p in penalty),
+            any_counted=any(counted),
             any_temperature=any(t != 1.0 for t in temps),
             any_filter=any(restricted),
+            any_min_p=any(m > 0 for m in min_p),
             any_top_p=any(top_p_on),
             any_top_p_without_top_k=any(p and not k for p, k in zip(top_p_on, has_k)),
             max_top_k=max((k for k in top_k if k < vocab), default=0),
         )
 
     def select(self, index: torch.Tensor) -> RowParams:
-        """These rows only; the host-side flags stay those of the whole batch."""
+        """These rows only, for the top-k/top-p cut-off; the host-side flags stay those of the whole batch."""
         picked = {f.name: getattr(self, f.name).index_select(0, index) for f in fields(self)
-                  if isinstance(getattr(self, f.name), torch.Tensor)}
+                  if isinstance(getattr(self, f.name), torch.Tensor) and f.name != "logprob_index"}
         return replace(self, **picked)
+
+
+def _bias(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> Bias | None:
+    """Ids past the logits' vocab are dropped (the engine refuses them when a request arrives)."""
+    entries = [(row, token, float(value)) for row, p in enumerate(params) if p.logit_bias
+               for token, value in p.logit_bias.items() if 0 <= token < vocab]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries)
+    return Bias(upload(list(rows), torch.int64, device), upload(list(ids), torch.int64, device),
+                upload(list(values), torch.float32, device))
 
 
 @dataclass
@@ -132,8 +197,9 @@ class TokenHistory:
     """Each row's history as a padded [rows, width] id tensor on the device, kept across calls.
 
     Histories are append-only lists (a sequence's token ids); each call uploads only what was appended since the
-    last one, and rows that stay in the batch keep theirs when others join or leave. Padding, and ids beyond the
-    logits' vocab (an embedding larger than lm_head: they cannot be generated), point at a spare column.
+    last one, and rows that stay in the batch keep theirs when others join or leave. A row may start further into
+    its list (`starts`: the generated tokens only, after the prompt). Padding, and ids beyond the logits' vocab (an
+    embedding larger than lm_head: they cannot be generated), point at a spare column.
     """
 
     def __init__(self) -> None:
@@ -144,10 +210,11 @@ class TokenHistory:
         self.vocab = 0
 
     def update(self, histories: Sequence[list[int]], wanted: Sequence[bool], vocab: int, device: torch.device,
-               pending: Pending | None = None) -> torch.Tensor:
+               pending: Pending | None = None, starts: Sequence[int] | None = None) -> torch.Tensor:
         """pending: histories whose last id is still on the device (a placeholder on the host); it is copied
         there from device to device, and uploaded from the host once it is known."""
         keys = [id(h) for h in histories]
+        starts = starts if starts is not None else [0] * len(histories)
         old = self.ids if self.ids is not None and self.ids.device == device and self.vocab == vocab else None
         if old is not None and keys == self.keys:
             ids, filled = old, self.filled
@@ -161,7 +228,7 @@ class TokenHistory:
                 kept_new, kept_old = [], []
                 for i, key in enumerate(keys):
                     j = where.get(key)
-                    if j is not None and self.filled[j] <= len(histories[i]):
+                    if j is not None and self.filled[j] <= len(histories[i]) - starts[i]:
                         kept_new.append(i)
                         kept_old.append(j)
                         filled[i] = self.filled[j]
@@ -174,7 +241,8 @@ class TokenHistory:
         for i, history in enumerate(histories):
             if not wanted[i]:
                 continue
-            n = len(history)
+            start = starts[i]
+            n = len(history) - start
             if pending is not None and pending.rows[i] is not None:
                 n -= 1
                 for part, value in zip(late, (i, n, pending.rows[i])):
@@ -184,7 +252,7 @@ class TokenHistory:
             if n < filled[i]:   # not append-only after all: rewrite this row
                 ids[i] = vocab
                 filled[i] = 0
-            tokens.extend(history[filled[i]:n])
+            tokens.extend(history[start + filled[i]:start + n])
             rows.extend([i] * (n - filled[i]))
             cols.extend(range(filled[i], n))
             filled[i] = n
@@ -205,6 +273,44 @@ class TokenHistory:
 
 # ---- the processors, as whole-batch tensor ops ---------------------------------------------------------------------
 
+@dataclass
+class GrammarMasks:
+    """The step's constrained rows and their allowed tokens, one bit per token (llguidance's layout; grammar.py)."""
+
+    rows: torch.Tensor   # int64 [C]: rows of the batch's logits
+    bits: torch.Tensor   # int32 [C, words], on the logits' device
+    every_row: bool      # C equals the batch: no row selection needed
+
+
+# Bit j of byte b of a mask row allows token 8 * b + j (llguidance's int32 words, little-endian, read as bytes). A
+# mask is applied by adding 0 (allowed: the score unchanged, exactly) or -inf, one lookup of 8 values per byte:
+# several times cheaper on a CPU than filling through a boolean mask.
+_BYTE_ADDEND = torch.zeros(256, 8).masked_fill_(((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1) == 0,
+                                                float("-inf"))
+_ADDEND_ON: dict[torch.device, torch.Tensor] = {}
+
+
+def mask_addend(bits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """float32 [C, vocab] from int32 bitmasks [C, words]: 0 where allowed, -inf elsewhere (columns past the masks'
+    width too)."""
+    table = _ADDEND_ON.get(bits.device)
+    if table is None:
+        table = _ADDEND_ON.setdefault(bits.device, _BYTE_ADDEND.to(bits.device))
+    addend = torch.nn.functional.embedding(bits.contiguous().view(torch.uint8).long(), table).view(bits.shape[0], -1)
+    if addend.shape[1] >= vocab:
+        return addend[:, :vocab]
+    return torch.cat([addend, addend.new_full((bits.shape[0], vocab - addend.shape[1]), float("-inf"))], dim=1)
+
+
+def mask_(scores: torch.Tensor, masks: GrammarMasks) -> None:
+    """Disallowed tokens of the constrained rows to -inf, in place; other rows untouched."""
+    addend = mask_addend(masks.bits, scores.shape[1])
+    if masks.every_row:
+        scores.add_(addend)
+    else:
+        scores.index_add_(0, masks.rows, addend)
+
+
 def penalise_(padded: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) -> None:
     """transformers' repetition penalty, in place on [rows, vocab + 1] scores: the seen tokens' negative scores
     times it, the others divided. A token seen twice is gathered twice and gets the same value twice."""
@@ -212,16 +318,38 @@ def penalise_(padded: torch.Tensor, ids: torch.Tensor, penalty: torch.Tensor) ->
     padded.scatter_(1, ids, torch.where(seen < 0, seen * penalty, seen / penalty))
 
 
+def count_penalise_(padded: torch.Tensor, ids: torch.Tensor, presence: torch.Tensor, frequency: torch.Tensor) -> None:
+    """OpenAI's presence and frequency penalties, in place on [rows, vocab + 1] scores, over the generated ids:
+    score -= frequency * count + presence * (count > 0). A token seen twice gets the same presence value written
+    twice, then the frequency subtracted once per occurrence (equal terms: the same sum in any order)."""
+    seen = padded.gather(1, ids)
+    padded.scatter_(1, ids, seen - presence)
+    padded.scatter_add_(1, ids, (-frequency).expand(ids.shape))
+
+
 def processed(logits: torch.Tensor, rows: RowParams, history: TokenHistory,
-              histories: Sequence[list[int]], pending: Pending | None = None) -> torch.Tensor:
-    """float32 scores after the repetition penalty (a new tensor then, else `logits` itself when float32)."""
-    if not rows.any_penalty:
+              histories: Sequence[list[int]], pending: Pending | None = None, generated: TokenHistory | None = None,
+              prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None) -> torch.Tensor:
+    """float32 scores after the grammar mask, the logit bias, the repetition penalty and the presence and frequency
+    penalties, in that order (a new tensor then, else `logits` itself when float32). prompt_lens: where each
+    history's generated tokens start (None: all of it is generated)."""
+    if not rows.any_processor and masks is None:
         return logits.float()
     vocab = logits.shape[1]
     padded = torch.empty(logits.shape[0], vocab + 1, dtype=torch.float32, device=logits.device)
     padded[:, :vocab] = logits
-    penalise_(padded, history.update(histories, rows.penalised, vocab, logits.device, pending), rows.penalty)
-    return padded[:, :vocab]
+    scores = padded[:, :vocab]
+    if masks is not None:
+        mask_(scores, masks)
+    if rows.bias is not None:
+        scores.index_put_((rows.bias.rows, rows.bias.ids), rows.bias.values, accumulate=True)
+    if rows.any_penalty:
+        penalise_(padded, history.update(histories, rows.penalised, vocab, logits.device, pending), rows.penalty)
+    if rows.any_counted:
+        ids = (generated or TokenHistory()).update(histories, rows.counted, vocab, logits.device, pending,
+                                                   prompt_lens)
+        count_penalise_(padded, ids, rows.presence, rows.frequency)
+    return scores
 
 
 @dataclass
@@ -263,6 +391,19 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
     return Cutoff(threshold, values, indices, weights, unknown)
 
 
+def min_p_floor(row_max: torch.Tensor, rows: RowParams) -> torch.Tensor | None:
+    """The lowest score min_p keeps: probability >= min_p * the best token's, i.e. score >= best + log(min_p)
+    (transformers' MinPLogitsWarper, which comes after top-k and top-p: the kept sets simply intersect)."""
+    return row_max + rows.log_min_p if rows.any_min_p else None
+
+
+_LOWEST = torch.finfo(torch.float32).min   # below it: only -inf
+
+
+def _raised(threshold: torch.Tensor, floor: torch.Tensor | None) -> torch.Tensor:
+    return threshold if floor is None else torch.maximum(threshold, floor)
+
+
 def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Column where each row's running weight first exceeds u times its total; never a zero-weight column."""
     cdf = weights.cumsum(dim=-1)
@@ -272,41 +413,51 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 
 
 def draw_full(scores: torch.Tensor, row_max: torch.Tensor, threshold: torch.Tensor | None,
-              u: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw over the whole row in token-id order."""
-    weights = (scores - row_max).exp_()
+              u: torch.Tensor, masked: bool = False) -> torch.Tensor:
+    """Inverse-CDF draw over the whole row in token-id order. masked: some scores are -inf (grammar masks); exp
+    takes a slow path on them on a CPU, so they get their zero weight from the threshold instead (the other
+    weights are the same bits either way)."""
+    shifted = scores - row_max
+    if masked:
+        shifted.nan_to_num_(neginf=0.0)
+        threshold = _raised(torch.full_like(row_max, _LOWEST), threshold)
+    weights = shifted.exp_()
     if threshold is not None:
         weights.masked_fill_(scores < threshold, 0.0)
     return _inverse_cdf(weights, u).squeeze(1)
 
 
-def draw_candidates(cut: Cutoff, u: torch.Tensor) -> torch.Tensor:
+def draw_candidates(cut: Cutoff, threshold: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """The same draw as `draw_full` when every kept token is a candidate: candidates put back in token-id order."""
-    weights = cut.weights.masked_fill(cut.values < cut.threshold, 0.0)
+    weights = cut.weights.masked_fill(cut.values < threshold, 0.0)
     ids, order = cut.indices.sort(dim=-1)
     column = _inverse_cdf(weights.gather(1, order), u)
     return ids.gather(1, column).squeeze(1)
 
 
-def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams],
-                     histories: Sequence[list[int]]) -> torch.Tensor:
-    """Repetition penalty, temperature, top-k and top-p in transformers' order, as the sampler applies them.
+def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[list[int]],
+                     prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None) -> torch.Tensor:
+    """The grammar mask, logit bias, repetition, presence and frequency penalties, temperature, top-k, top-p and
+    min_p, in the sampler's order, as the sampler applies them.
 
     Returns a new float32 tensor with filtered tokens at -inf; `logits` is left untouched. Greedy rows only get
-    the repetition penalty, matching `generate(do_sample=False)`, which skips the warpers.
+    the mask, the bias and the penalties, matching `generate(do_sample=False)`, which skips the warpers.
     """
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(histories) != len(params):
         raise ValueError("logits must be [B, V] with one params entry and one history per row")
     vocab = logits.shape[1]
     rows = RowParams.build(params, [0] * len(params), vocab, logits.device)
-    scores = processed(logits, rows, TokenHistory(), histories)
+    scores = processed(logits, rows, TokenHistory(), histories, None, TokenHistory(), prompt_lens, masks)
     if scores.data_ptr() == logits.data_ptr():
         scores = scores.clone()
     if rows.any_temperature:
         scores = scores / rows.temperature
-    if rows.any_filter:
-        cut = cutoff(scores, scores.amax(dim=-1, keepdim=True), rows, vocab)
-        scores = scores.masked_fill(scores < cut.threshold, float("-inf"))
+    if rows.any_filter or rows.any_min_p:
+        row_max = scores.amax(dim=-1, keepdim=True)
+        threshold = cutoff(scores, row_max, rows, vocab).threshold if rows.any_filter else \
+            torch.full_like(row_max, float("-inf"))
+        threshold = _raised(threshold, min_p_floor(row_max, rows))
+        scores = scores.masked_fill(scores < threshold, float("-inf"))
     return scores
 
 
@@ -315,8 +466,9 @@ class Sampler:
     (seed, position), so a request's tokens do not depend on which other requests share the batch."""
 
     def __init__(self, candidates: int | None = None) -> None:
-        self.candidates = candidates   # 0: always a full sort; None: CPU_CANDIDATES on CPU, else a full sort
-        self.history = TokenHistory()
+        self.candidates = candidates   # CPU: 0 takes the device path; None: CPU_CANDIDATES
+        self.history = TokenHistory()     # whole histories, for the repetition penalty
+        self.generated = TokenHistory()   # generated tokens only, for the presence and frequency penalties
         self._rows_key: tuple | None = None
         self._rows_params: list[SamplingParams] = []
         self._rows: RowParams | None = None
@@ -331,49 +483,79 @@ class Sampler:
         return self._rows
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                 histories: Sequence[list[int]], seeds: Sequence[int], pending: Pending | None = None) -> torch.Tensor:
+                 histories: Sequence[list[int]], seeds: Sequence[int], pending: Pending | None = None,
+                 prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None) -> torch.Tensor:
         """pending: histories whose last token is not read back yet (overlapped steps); a history's length is
-        its position whether or not its last id is known."""
+        its position whether or not its last id is known. prompt_lens: where each history's generated tokens
+        start (None: all of it counts as generated). masks: the constrained rows' allowed tokens."""
         if logits.dim() != 2 or not logits.shape[0] == len(params) == len(histories) == len(seeds):
             raise ValueError("logits must be [B, V] with one params entry, history and seed per row")
         vocab, device = logits.shape[1], logits.device
         rows = self.rows_for(params, seeds, vocab, device)
-        if rows.all_greedy and not rows.any_penalty:
+        if rows.all_greedy and not rows.any_processor and masks is None:
             return logits.argmax(dim=-1)   # plain greedy decoding: nothing to process
 
-        scores = processed(logits, rows, self.history, histories, pending)
+        scores = processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks)
         greedy_tokens = scores.argmax(dim=-1) if rows.any_greedy else None
         if rows.all_greedy:
             return greedy_tokens
         if rows.any_temperature:
             scores = scores / rows.temperature
         u = uniforms(rows.key_a, rows.key_b, upload([len(h) for h in histories], torch.int64, device))
-        tokens = self._draw(scores, rows, u)
+        tokens = self._draw(scores, rows, u, masks is not None)
         return tokens if greedy_tokens is None else torch.where(rows.greedy, greedy_tokens, tokens)
 
-    def _draw(self, scores: torch.Tensor, rows: RowParams, u: torch.Tensor) -> torch.Tensor:
+    def logprobs(self, logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams],
+                 seeds: Sequence[int]) -> torch.Tensor | None:
+        """For the rows whose requests asked (RowParams.logprob_rows, in order): each sampled token's
+        log-probability, rank and the most likely tokens under the raw logits, packed (logprobs.pack); None when
+        no row asked."""
+        rows = self.rows_for(params, seeds, logits.shape[1], logits.device)
+        if rows.logprob_index is None:
+            return None
+        index = rows.logprob_index
+        if len(rows.logprob_rows) == logits.shape[0]:
+            return pack_logprobs(logits, tokens, rows.max_logprobs)
+        return pack_logprobs(logits.index_select(0, index), tokens.index_select(0, index), rows.max_logprobs)
+
+    def _draw(self, scores: torch.Tensor, rows: RowParams, u: torch.Tensor, masked: bool) -> torch.Tensor:
         vocab = scores.shape[1]
         row_max = scores.amax(dim=-1, keepdim=True)
+        floor = min_p_floor(row_max, rows)
         if not rows.any_filter:
-            return draw_full(scores, row_max, None, u)
-        width = vocab
-        limit = self.candidates if self.candidates is not None else (
-            CPU_CANDIDATES if scores.device.type == "cpu" else 0)
-        if limit:
-            # Rows that all have a top-k need no more candidates than the largest k.
-            want = rows.max_top_k if not rows.any_top_p_without_top_k else max(limit, rows.max_top_k)
-            width = min(vocab, want, MAX_CANDIDATES)
+            return draw_full(scores, row_max, floor, u, masked)
+        limit = self.candidates if self.candidates is not None else CPU_CANDIDATES
+        if scores.device.type == "cpu" and limit:
+            return self._draw_among_candidates(scores, row_max, floor, rows, u, limit, masked)
+        # A top-k cut-off lies among the best max(k) + 1 tokens (no sort); a top-p row without top-k sorts its row.
+        width = vocab if rows.any_top_p_without_top_k else min(vocab, rows.max_top_k + 1)
+        return draw_full(scores, row_max, _raised(cutoff(scores, row_max, rows, width).threshold, floor), u, masked)
+
+    def _draw_among_candidates(self, scores: torch.Tensor, row_max: torch.Tensor, floor: torch.Tensor | None,
+                               rows: RowParams, u: torch.Tensor, limit: int, masked: bool) -> torch.Tensor:
+        """CPU: the cut-off among the best tokens (one more than the largest k, so a binding top-k shows), with
+        the rows whose cut-off or kept tokens lie further down redone over the whole row. The host reads here
+        cost nothing on a CPU, where there is no queue of device work to wait for."""
+        vocab = scores.shape[1]
+        want = rows.max_top_k + 1 if not rows.any_top_p_without_top_k else max(limit, rows.max_top_k + 1)
+        width = min(vocab, want, MAX_CANDIDATES)
         cut = cutoff(scores, row_max, rows, width)
-        if width == vocab:
-            return draw_full(scores, row_max, cut.threshold, u)
-        # Host reads from here on: nothing on CPU, a wait for the step's kernels on a GPU.
+        if width >= vocab:
+            return draw_full(scores, row_max, _raised(cut.threshold, floor), u, masked)
+        threshold = cut.threshold
         unknown = cut.unknown.squeeze(1).nonzero().squeeze(1)
-        if len(unknown):
-            # Those rows' cut-off lies beyond the candidates: a full sort of just them.
-            full = cutoff(scores.index_select(0, unknown), row_max.index_select(0, unknown),
-                          rows.select(unknown), vocab)
-            threshold = cut.threshold.index_copy(0, unknown, full.threshold)
-            return draw_full(scores, row_max, threshold, u)
-        if bool((rows.greedy.unsqueeze(1) | (cut.values[:, -1:] < cut.threshold)).all()):
-            return draw_candidates(cut, u)   # every kept token is a candidate
-        return draw_full(scores, row_max, cut.threshold, u)
+        if len(unknown):   # those rows' cut-off lies beyond the candidates: a full sort of just them
+            full = cutoff(scores.index_select(0, unknown), row_max.index_select(0, unknown), rows.select(unknown),
+                          vocab)
+            threshold = threshold.index_copy(0, unknown, full.threshold)
+        threshold = _raised(threshold, floor)
+        tokens = draw_candidates(cut, threshold, u)
+        # Every kept token is a candidate when the best token left out scores below the cut-off (a token tied
+        # with the cut-off is kept). Greedy rows take their argmax afterwards.
+        beyond = ~(rows.greedy | (cut.values[:, -1] < threshold.squeeze(1)))
+        redo = beyond.nonzero().squeeze(1)
+        if len(redo):
+            drawn = draw_full(scores.index_select(0, redo), row_max.index_select(0, redo),
+                              threshold.index_select(0, redo), u.index_select(0, redo), masked)
+            tokens = tokens.index_copy(0, redo, drawn)
+        return tokens

@@ -6,11 +6,18 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from structured import Structure
+
 MAX_TEMPERATURE = 2.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 4
 MAX_STOP_LENGTH = 64
+MAX_PENALTY = 2.0          # presence and frequency penalties, as OpenAI's
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGPROBS = 20
+MAX_CHOICES = 8
 
 
 class InvalidParamsError(ValueError):
@@ -27,6 +34,14 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far (OpenAI's semantics)
+    frequency_penalty: float = 0.0  # subtracted once per time each token was generated so far
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, before anything else
+    min_p: float = 0.0  # keep tokens at least min_p times as likely as the best one (after temperature); 0 = off
+    logprobs: int | None = None  # each sampled token's log-probability plus this many alternatives; None = off
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first; None = off
+    n: int = 1  # choices: copies of the request that share its prompt's KV blocks
+    structure: Structure | None = None  # the answer must match this (grammar-constrained decoding)
 
     def __post_init__(self) -> None:
         # Clients send JSON, so a single stop string or a list is the common shape.
@@ -36,6 +51,10 @@ class SamplingParams:
             self.stop = (self.stop,)
         elif isinstance(self.stop, list):
             self.stop = tuple(self.stop)
+        # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100}.
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
+                               for k, v in self.logit_bias.items()}
 
     @property
     def greedy(self) -> bool:
@@ -73,15 +92,43 @@ class SamplingParams:
                 lambda v: 0 <= v <= MAX_SEED,
                 "must be an integer between 0 and 2**63-1, or null for a random seed",
             )
-        _check_int(
-            "max_new_tokens",
-            self.max_new_tokens,
-            lambda v: v >= 1,
-            "must be an integer >= 1",
-        )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), lambda v: 0 <= v <= MAX_LOGPROBS,
+                           f"must be an integer between 0 and {MAX_LOGPROBS}, or null for none")
+        if self.prompt_logprobs is None:
+            _check_int("max_new_tokens", self.max_new_tokens, lambda v: v >= 1, "must be an integer >= 1")
+        else:   # scoring a prompt: prefill, report, no answer
+            _check_int("max_new_tokens", self.max_new_tokens, lambda v: v >= 0,
+                       "must be an integer >= 0 (0 only scores the prompt, with prompt_logprobs)")
         self._validate_stop()
         if not isinstance(self.ignore_eos, bool):
             raise InvalidParamsError(f"ignore_eos must be true or false; got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            _check_real(name, getattr(self, name), lambda v: -MAX_PENALTY <= v <= MAX_PENALTY,
+                        f"must be between {-MAX_PENALTY:g} and {MAX_PENALTY:g} (0 = disabled)")
+        _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "must be between 0 and 1 (0 = disabled)")
+        _check_int("n", self.n, lambda v: 1 <= v <= MAX_CHOICES, f"must be an integer between 1 and {MAX_CHOICES}")
+        self._validate_logit_bias()
+        if self.structure is not None and not isinstance(self.structure, Structure):
+            raise InvalidParamsError(
+                f"structure must be a structured.Structure or null; got {type(self.structure).__name__}")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise InvalidParamsError(
+                f"logit_bias must be an object mapping token ids to biases; got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise InvalidParamsError(
+                f"logit_bias accepts at most {MAX_LOGIT_BIAS_ENTRIES} tokens; got {len(bias)}. Remove some.")
+        for token, value in bias.items():
+            if not _is_int(token) or token < 0:
+                raise InvalidParamsError(f"logit_bias keys must be token ids (integers >= 0); got {token!r}")
+            _check_real(f"logit_bias[{token}]", value, lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
+                        f"must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
 
     def _validate_stop(self) -> None:
         if not isinstance(self.stop, tuple):

@@ -86,18 +86,23 @@ class Scheduler:
             budget -= want
 
         # A step that had to preempt admits nobody: the pool is already short.
-        while (self.waiting and not preempted and budget > 0
+        i = 0
+        while (i < len(self.waiting) and not preempted and budget > 0
                and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
+            if seq.waits_for_leader and self.blocks.enable_prefix_caching:
+                i += 1   # a later choice: the first one's prompt blocks will be its cache hits
+                continue
             if not seq.block_table:
-                seq.num_computed_tokens = self.blocks.allocate_cached_prefix(seq)
+                # A request scoring its prompt computes every prompt row: no cache hits.
+                seq.num_computed_tokens = 0 if seq.wants_prompt_logprobs else self.blocks.allocate_cached_prefix(seq)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
             want = min(seq.num_uncomputed, budget)
             if not self.blocks.ensure_capacity(seq, seq.num_computed_tokens + want):
                 self.blocks.release(seq)   # it waits; keep no blocks while waiting
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             seq.status = Status.RUNNING
             if seq.admitted_time is None:
                 seq.admitted_time = time.time()

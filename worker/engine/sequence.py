@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum, auto
+from typing import Any
 
 from .detokenizer import IncrementalDetokenizer
+from .outputs import TokenLogprob
 from .sampling_params import SamplingParams
 
 
@@ -42,10 +44,18 @@ class Sequence:
     # With overlapped steps, a sampled token still on the device: the last token id is then PENDING and
     # this is its row among the step's sampled tokens.
     pending: int | None = None
+    index: int = 0                                       # the choice, of the request's n
+    group: list[Sequence] = field(default_factory=list, repr=False)   # every choice of the request, this one too
+    matcher: Any = None                                  # llguidance matcher of a constrained answer
+    prefilled: bool = False                              # its whole prompt has been computed once
+    logprobs: list[TokenLogprob] = field(default_factory=list)   # per completion token, when asked
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # per prompt token, when asked
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if not self.group:
+            self.group = [self]
 
     @property
     def num_tokens(self) -> int:
@@ -70,3 +80,31 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def leader(self) -> Sequence:
+        """The request's first choice: it prefills the prompt the others then share."""
+        return self.group[0]
+
+    @property
+    def waits_for_leader(self) -> bool:
+        """A later choice waits until the first has computed the prompt: then it finds the prompt's blocks in the
+        prefix cache and computes only the partial last one (or until the first ended without)."""
+        return self.index > 0 and not (self.leader.prefilled or self.leader.finished)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """The prompt's log-probabilities are still to be computed: every prompt row's logits are kept, and the
+        prefix cache is not used. A later choice uses the first choice's once they are complete."""
+        if self.params.prompt_logprobs is None:
+            return False
+        return all(len(s.prompt_logprobs) < self.num_prompt_tokens for s in (self, self.leader))
+
+    def prompt_logprobs_result(self) -> list[TokenLogprob | None] | None:
+        """What the request reports: its own (or the first choice's) complete list, else what it has."""
+        if self.params.prompt_logprobs is None:
+            return None
+        for seq in (self, self.leader):
+            if len(seq.prompt_logprobs) >= self.num_prompt_tokens:
+                return list(seq.prompt_logprobs)
+        return list(self.prompt_logprobs)

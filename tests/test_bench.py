@@ -41,7 +41,8 @@ def test_bench_writes_full_schema_and_plot(tiny_dir, tmp_path):
     assert data["transformers_cb"]["attn"] == "sdpa" and data["transformers_cb"]["use_cuda_graph"] is False
     assert set(data["methods"]) == {*bench.METHODS, "engine_dense"}
     for name, metrics in data["methods"].items():
-        assert set(metrics) == set(METRIC_TYPES), name
+        assert set(metrics) == set(METRIC_TYPES) | {"peak_device_mb"}, name
+        assert metrics["peak_device_mb"] is None, "CUDA memory is reported only for a CUDA run"
         for key, kind in METRIC_TYPES.items():
             value = metrics[key]
             # JSON turns a whole float into an int only if it was one; ints are fine where floats are asked.

@@ -94,13 +94,9 @@ def seed_url(database_url: str | None = None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m models.demo_orders",
-                                     description="Add the demo orders (NW-10041 to NW-10046) that are missing.")
-    parser.add_argument("--if-enabled", action="store_true",
-                        help="only when DEMO_ORDERS=1 (for a deployment's migration step)")
-    args = parser.parse_args(argv)
-    if args.if_enabled and not wanted(database_url_given=True):
-        return 0
+    argparse.ArgumentParser(prog="python -m models.demo_orders",
+                            description="Add the demo orders (NW-10041 to NW-10046) that are missing from the "
+                                        "database at DATABASE_URL.").parse_args(argv)
     added = seed_url()
     print(f"demo orders: {added} added, {len(DEMO_ORDERS) - added} already there")
     return 0

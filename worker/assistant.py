@@ -128,7 +128,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         rounds.append(last)
         if seen and visible_from is None:
             visible_from = last
-        calls = [c for c in parser.calls]
+        calls = list(parser.calls)
         if last.finish_reason != "stop" or not calls or n == MAX_TOOL_ROUNDS:
             break
         results = [execute(rt, call, offered) for call in calls]

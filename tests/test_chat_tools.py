@@ -101,6 +101,19 @@ def test_the_worker_looks_the_order_up_feeds_the_result_back_and_stores_the_exch
             s.commit()
 
 
+
+def test_with_auto_a_model_that_calls_no_tool_answers_in_one_generation(stack, db, tokenizer):
+    """The default choice: the tool is offered (described in the system prompt for SmolLM2's template), the tiny
+    model writes no call, and its text is the answer; nothing but the turns is stored."""
+    done = ask(stack.web_with(CHAT_TOOLS="orders"), QUESTION)
+    with db() as s:
+        roles = [m.role for m in s.query(Message).filter_by(conversation_id=done["conversation_id"])
+                 .order_by(Message.id)]
+    assert roles == ["user", "assistant"] and done["text"]
+    asked = [{"role": "system", "content": system_prompt("Northwind Goods")}, {"role": "user", "content": QUESTION}]
+    assert done["prompt_tokens"] == len(prompts.render(tokenizer, asked, [chat_tools.ORDER_TOOL]))
+    assert record_of(db, done).prompt_tokens == done["prompt_tokens"]
+
 def record_of(db, done: dict) -> RequestRecord:
     with db() as s:
         return s.get(RequestRecord, done["request_id"])

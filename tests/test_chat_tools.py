@@ -191,7 +191,18 @@ def test_the_lookup_reads_one_order_by_its_number_and_explains_what_it_cannot_fi
         engine.dispose()
 
 
-def test_the_settings_name_known_tools_and_choices_only():
+def test_the_settings_name_known_tools_and_choices_only(monkeypatch):
+    from webapp import config
+
+    monkeypatch.setenv("CHAT_TOOLS", "orders")
+    monkeypatch.setenv("CHAT_TOOL_CHOICE", "lookup_order")
+    assert config.chat_tools_settings() == {"CHAT_TOOLS": [chat_tools.ORDER_TOOL], "CHAT_TOOL_CHOICE": "lookup_order"}
+    monkeypatch.setenv("CHAT_TOOL_CHOICE", "lookup_everything")
+    with pytest.raises(config.ConfigError, match="Fix it in the environment"):
+        config.load()
+    monkeypatch.delenv("CHAT_TOOLS")
+    monkeypatch.delenv("CHAT_TOOL_CHOICE")
+    assert config.chat_tools_settings() == {"CHAT_TOOLS": [], "CHAT_TOOL_CHOICE": "auto"}   # off by default
     assert chat_tools.tools_setting("") == [] and chat_tools.tools_setting("off") == []
     assert chat_tools.tools_setting(" orders ") == [chat_tools.ORDER_TOOL]
     with pytest.raises(ValueError, match="CHAT_TOOLS names 'tickets'; the tools there are orders"):

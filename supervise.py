@@ -67,13 +67,17 @@ def api_line(database_url: str) -> str:
 
 
 def main() -> int:
+    from models import demo_orders
     from models.db import default_database_url, upgrade
     from worker.local_redis import port_of, start_redis
 
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    database_url_given = bool(env.get("DATABASE_URL"))
     env.setdefault("DATABASE_URL", default_database_url())
     upgrade(env["DATABASE_URL"])
+    if demo_orders.wanted(database_url_given):   # the order-status tool's demo rows (DEMO_ORDERS)
+        demo_orders.seed_url(env["DATABASE_URL"])
     redis_proc = None
     if "REDIS_URL" not in env:
         redis_proc, env["REDIS_URL"] = start_redis(RUN_DIR / "redis")

@@ -39,7 +39,8 @@ class Conversation(Base):
 
 
 class Message(Base):
-    """One turn of a conversation; `role` is one of `ROLES`."""
+    """One turn of a conversation; `role` is one of `ROLES` (what the customer sees), or `tool_call` / `tool`: a
+    tool call the assistant made before its answer, and the result it got (messaging/chat_tools.py)."""
 
     __tablename__ = "messages"
 

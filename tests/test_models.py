@@ -10,10 +10,10 @@ from datetime import UTC, datetime, timedelta, timezone
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Engine, inspect, select, text
+from sqlalchemy import Engine, func, inspect, select, text
 from sqlalchemy.exc import IntegrityError, StatementError
 
-from models import ApiKey, Base, Conversation, Message, RequestRecord
+from models import ORDER_STATUSES, ApiKey, Base, Conversation, Message, Order, RequestRecord, demo_orders
 from models.db import default_database_url, make_engine, make_session_factory, upgrade
 
 EXPECTED_INDEXES = {
@@ -66,7 +66,7 @@ def test_upgrade_creates_schema_matching_models(db_url: str, tmp_path, monkeypat
         assert {("name",), ("key_hash",)} <= unique
 
         with engine.connect() as conn:
-            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0004"
             context = MigrationContext.configure(conn, opts={"compare_type": True})
             diff = compare_metadata(context, Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
@@ -106,6 +106,60 @@ def test_the_api_keys_revision_goes_down_and_up_again_keeping_records_and_trigge
             assert conn.execute(text("SELECT count(*) FROM api_keys")).scalar_one() == 0
     finally:
         engine.dispose()
+
+
+def test_the_orders_revision_goes_down_and_up_again(db_url: str) -> None:
+    from alembic import command
+
+    from models.db import alembic_config
+
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        with make_session_factory(engine)() as session:
+            assert demo_orders.seed(session) == len(demo_orders.DEMO_ORDERS)
+            session.add(RequestRecord(request_id="kept", source="chat", enqueued_at=datetime.now(UTC)))
+            session.commit()
+        command.downgrade(alembic_config(db_url), "0003")
+        assert "orders" not in inspect(engine).get_table_names()
+        with engine.connect() as conn:
+            assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
+            assert conn.execute(text("SELECT count(*) FROM request_records")).scalar_one() == 1
+        upgrade(db_url)
+        with make_session_factory(engine)() as session:
+            assert session.scalar(select(func.count()).select_from(Order)) == 0
+            assert demo_orders.seed(session) == len(demo_orders.DEMO_ORDERS)
+    finally:
+        engine.dispose()
+
+
+def test_demo_orders_are_seeded_once_and_left_alone_after(engine: Engine) -> None:
+    Session = make_session_factory(engine)
+    with Session() as session:
+        assert demo_orders.seed(session) == len(demo_orders.DEMO_ORDERS)
+        statuses = session.scalars(select(Order.status)).all()
+        assert len(set(statuses)) == len(statuses) and set(statuses) <= set(ORDER_STATUSES)
+        shipped = session.scalars(select(Order).filter_by(order_number="NW-10042")).one()
+        shipped.status = "delivered"   # the shop's own change survives a later seeding
+        session.commit()
+    with Session() as session:
+        assert demo_orders.seed(session) == 0
+        assert session.scalar(select(func.count()).select_from(Order)) == len(demo_orders.DEMO_ORDERS)
+        assert session.scalars(select(Order.status).filter_by(order_number="NW-10042")).one() == "delivered"
+        order = session.scalars(select(Order).filter_by(order_number="NW-10043")).one()
+        assert order.placed_at <= order.updated_at <= datetime.now(UTC) and order.carrier == "UPS"
+
+
+def test_demo_orders_go_only_to_the_embedded_database_unless_asked(monkeypatch) -> None:
+    monkeypatch.delenv("DEMO_ORDERS", raising=False)
+    assert demo_orders.wanted(database_url_given=False) and not demo_orders.wanted(database_url_given=True)
+    monkeypatch.setenv("DEMO_ORDERS", "1")
+    assert demo_orders.wanted(database_url_given=True)
+    monkeypatch.setenv("DEMO_ORDERS", "0")
+    assert not demo_orders.wanted(database_url_given=False)
+    monkeypatch.setenv("DEMO_ORDERS", "maybe")
+    with pytest.raises(ValueError, match="DEMO_ORDERS must be 1 or 0"):
+        demo_orders.wanted(database_url_given=False)
 
 
 def test_round_trip(engine: Engine) -> None:

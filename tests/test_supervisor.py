@@ -10,7 +10,7 @@ import sys
 import psutil
 import requests
 
-from models import RequestRecord
+from models import Order, RequestRecord
 from models.db import make_engine, make_session_factory
 from tests.clients import ChatClient
 from tests.stack import ROOT, wait_for
@@ -64,4 +64,5 @@ def test_supervisor_restarts_a_killed_worker_and_stops_everything(tmp_path, tiny
 
     with make_session_factory(make_engine(pg_url))() as db:
         records = [db.get(RequestRecord, d["request_id"]) for d in (first, second)]
+        assert db.query(Order).count() == 0   # demo orders go only to the embedded database unless asked
     assert all(r.finished_at is not None and r.finish_reason in ("stop", "length") for r in records)

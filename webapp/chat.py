@@ -9,7 +9,8 @@ import uuid
 from flask import Blueprint, current_app, render_template, request, session
 from flask_socketio import ConnectionRefusedError, join_room
 
-from models import Conversation, Message, RequestRecord, new_conversation_id
+from messaging import chat_tools
+from models import ROLES, Conversation, Message, RequestRecord, new_conversation_id
 
 from . import limits, queue, reply, socketio
 from .metrics import CHAT_OUTCOMES_KEY, CONNECTION_OUTCOMES_KEY, count
@@ -51,7 +52,7 @@ def page():
         with current_app.extensions["db"]() as db:
             try:
                 conv = own_conversation(db, conversation_id)
-                history = [{"role": m.role, "content": m.content} for m in conv.messages]
+                history = [{"role": m.role, "content": m.content} for m in conv.messages if m.role in ROLES]
             except UserError:
                 conversation_id = None
     owner_id()
@@ -175,7 +176,7 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, rece
         # its first INSERT to its commit, and a burst of messages queues for it one after another.
         if conversation_id:
             conv = own_conversation(db, conversation_id)
-            history = [{"role": m.role, "content": m.content} for m in conv.messages]
+            history = chat_tools.history([(m.role, m.content) for m in conv.messages], bool(cfg["CHAT_TOOLS"]))
         else:
             conv, history = Conversation(id=new_conversation_id(), owner=owner_id()), []
             db.add(conv)
@@ -184,6 +185,8 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, rece
                             {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"],
                              "max_new_tokens": max_new_tokens},
                             source="chat", conversation_id=conv.id, received_at=received_at)
+        if cfg["CHAT_TOOLS"]:   # the worker runs these tools itself and answers with their results
+            job.update(tools=cfg["CHAT_TOOLS"], tool_choice=cfg["CHAT_TOOL_CHOICE"])
         db.add(Message(conversation_id=conv.id, role="user", content=text))
         db.add(queue.record_for(job))
         db.commit()
@@ -222,4 +225,4 @@ def conversation_json(conversation_id: str):
                       .filter_by(conversation_id=conv.id, finished_at=None).order_by(RequestRecord.enqueued_at)]
         return {"id": conv.id, "unfinished": unfinished,
                 "messages": [{"role": m.role, "content": m.content, "request_id": m.request_id}
-                             for m in conv.messages]}, 200, PRIVATE
+                             for m in conv.messages if m.role in ROLES]}, 200, PRIVATE

@@ -9,6 +9,8 @@ from pathlib import Path
 
 from werkzeug.security import generate_password_hash
 
+from messaging import chat_tools
+
 log = logging.getLogger(__name__)
 
 INSTANCE_DIR = Path(__file__).resolve().parent.parent / "instance"
@@ -153,4 +155,15 @@ def load() -> dict:
         "MAX_NEW_TOKENS": int(os.environ.get("MAX_NEW_TOKENS", "256")),
         "TEMPERATURE": float(os.environ.get("TEMPERATURE", "0.7")),
         "TOP_P": float(os.environ.get("TOP_P", "0.9")),
+        **chat_tools_settings(),
     }
+
+
+def chat_tools_settings() -> dict:
+    """The tools the chat assistant may call, run by the worker (CHAT_TOOLS, off by default), and its choice."""
+    try:
+        tools = chat_tools.tools_setting(os.environ.get("CHAT_TOOLS"))
+        choice = chat_tools.choice_setting(os.environ.get("CHAT_TOOL_CHOICE"), tools)
+    except ValueError as exc:
+        raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
+    return {"CHAT_TOOLS": tools, "CHAT_TOOL_CHOICE": choice}

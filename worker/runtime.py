@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 
 import redis
@@ -200,6 +201,8 @@ class WorkerRuntime:
             record.prompt_tokens, record.completion_tokens = done.prompt_tokens, done.completion_tokens
             record.cached_tokens, record.batch_size = done.cached_tokens, done.mean_batch_size
             record.finish_reason, record.error = done.finish_reason, done.error
+            for role, content in job.get("tool_messages", ()) if job.get("conversation_id") else ():
+                db.add(Message(conversation_id=job["conversation_id"], role=role, content=content))
             if job.get("conversation_id") and done.text:
                 db.add(Message(conversation_id=job["conversation_id"], role="assistant", content=done.text,
                                request_id=job["request_id"]))
@@ -317,15 +320,17 @@ def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, comple
                     "completion_tokens": completion_tokens}
 
 
-def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int) -> tuple[list[dict], list[int]]:
+def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int,
+                   render: Callable[[list[dict]], list[int]] | None = None) -> tuple[list[dict], list[int]]:
     """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits.
 
-    Returns the kept messages and their rendered prompt ids, so the template is rendered once.
+    Returns the kept messages and their rendered prompt ids (by `render`, else the engine's chat template), so
+    the template is rendered once.
     """
     messages = list(messages)
     budget = engine.max_model_len - reserve
     first = 1 if messages and messages[0].get("role") == "system" else 0
-    while len(ids := engine.render_chat(messages)) > budget:
+    while len(ids := (render or engine.render_chat)(messages)) > budget:
         if len(messages) - first <= 1:
             raise InvalidRequestError("This message is too long for the assistant to answer; "
                                       "shorten it or split it into several messages.")

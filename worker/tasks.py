@@ -11,6 +11,7 @@ from celery.signals import (task_postrun, task_received, worker_init, worker_rea
                             worker_shutting_down)
 
 from messaging.contract import GENERATE_TASK
+from worker import assistant
 from worker.celery_app import celery
 from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams
 from worker.publisher import Answer
@@ -92,7 +93,7 @@ def answer(rt: WorkerRuntime, job: dict) -> None:
     # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
     # so the customer's stream resumes after what an earlier delivery already showed.
     shown = rt.streamed_chars(rid)
-    pending = submit(rt, job, shown)
+    pending = (assistant.run if assistant.serves(job) else submit)(rt, job, shown)
     if pending is not None:
         conclude(rt, job, pending)
 

@@ -1,0 +1,176 @@
+"""The chat assistant's tool rounds: generate; run the tools it calls here, against the shop's data; feed their
+results back; answer. Only the text meant for the customer streams out; the whole exchange is stored."""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from messaging.chat_tools import CALL_ROLE, LOOKUP_ORDER, RESULT_ROLE, stored_call
+from structured import Structure, StreamParser, Tool, ToolCall, ToolError
+from structured.tools import Delta, forced
+from worker import order_tool, prompts
+from worker.engine import (Event, InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams,
+                           TokenDelta)
+from worker.publisher import Answer
+from worker.runtime import WorkerRuntime, fit_to_context
+
+log = logging.getLogger(__name__)
+
+# Generations per message that may end in tool calls; the one after the last of them answers whatever it writes.
+MAX_TOOL_ROUNDS = 2
+# A forced call is never shown to the customer, so the chat's answer cap does not bind it; this does.
+CALL_TOKENS = 128
+# The tools this worker runs itself: name -> (session, arguments) -> result.
+EXECUTORS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {LOOKUP_ORDER: order_tool.lookup_order}
+
+
+def serves(job: dict) -> bool:
+    """A chat message whose assistant has tools: this module answers it (an API request's tools go back to its
+    client instead)."""
+    return job.get("source") == "chat" and bool(job.get("tools"))
+
+
+def first_structure(tools: list[Tool], choice: str) -> Structure | None:
+    """The grammar of the first generation: none for `auto`, any one call for `required`, or a named tool's call."""
+    if choice == "auto":
+        return None
+    return forced(tools, None if choice == "required" else choice, parallel=False)
+
+
+class Relay:
+    """Hands the customer's part of each generation to the publisher, as if it came from the engine under the
+    request's id; the calls stay here."""
+
+    def __init__(self, outbox: queue.Queue[list[Event]], request_id: str) -> None:
+        self.outbox, self.request_id = outbox, request_id
+        self.parts: list[str] = []
+
+    def send(self, deltas: list[Delta]) -> bool:
+        text = "".join(d.content for d in deltas if d.content)
+        if text:
+            self.parts.append(text)
+            self.outbox.put([TokenDelta(self.request_id, text, [])])
+        return bool(text)
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def end(self, done: RequestFinished) -> None:
+        self.outbox.put([done])
+
+
+def run(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
+    """Answer a chat message whose assistant has tools; its text streams out as any answer's does. Returns the
+    answer (its end on the way), or None when the request was answered with an error or is running already."""
+    rid = job["request_id"]
+    try:
+        tools = [Tool.from_openai(spec, f"tools[{i}]") for i, spec in enumerate(job["tools"])]
+        base = SamplingParams(**job.get("params", {}))
+        base.validate()
+        first = first_structure(tools, job.get("tool_choice") or "auto")
+    except (ToolError, InvalidParamsError, TypeError) as exc:
+        rt.fail(job, "invalid_request", str(exc))
+        return None
+    answer = rt.publisher.track(job, shown)
+    if answer is None:
+        return None
+    relay = Relay(rt.publisher.outbox, rid)
+    try:
+        done = converse(rt, job, tools, base, first, relay)
+    except (InvalidRequestError, InvalidParamsError) as exc:
+        rt.publisher.forget(rid)
+        rt.fail(job, "prompt_too_long" if "too long" in str(exc) else "invalid_request", str(exc))
+        return None
+    except BaseException:   # interrupted: free the slot rather than generate for nobody
+        rt.engine.abort(rid)
+        rt.publisher.forget(rid)
+        raise
+    relay.end(done)
+    return answer
+
+
+def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingParams, first: Structure | None,
+             relay: Relay) -> RequestFinished:
+    """Generate until an answer calls no tool (at most MAX_TOOL_ROUNDS rounds of calls); the calls and results go
+    in `job["tool_messages"]` for the answer's record, and one RequestFinished sums the generations."""
+    rid, messages, specs = job["request_id"], list(job["messages"]), job["tools"]
+    offered = {t.name for t in tools}
+    rounds: list[RequestFinished] = []
+    visible_from: RequestFinished | None = None   # the first generation whose text the customer saw
+    exchange: list[tuple[str, str]] = []
+    cancelled = False
+    for n in range(MAX_TOOL_ROUNDS + 1):
+        if n and rt.was_cancelled(rid):   # stopped while a tool ran
+            cancelled = True
+            break
+        structure = first if n == 0 else None
+        params = replace(base, structure=structure,
+                         max_new_tokens=max(base.max_new_tokens, CALL_TOKENS) if structure else base.max_new_tokens)
+        reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
+        _, ids = fit_to_context(rt.engine, messages, reserve,
+                                render=lambda m: prompts.render(rt.engine.tokenizer, m, specs))
+        # The request's own id, one generation at a time, so a cancel reaches whichever is running.
+        stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"))
+        parser, seen = StreamParser(f"{rid}:{n}"), False
+        last: RequestFinished | None = None
+        for event in stream:
+            if isinstance(event, TokenDelta):
+                seen |= relay.send(parser.feed(event.text))
+            elif isinstance(event, RequestFinished):
+                last = event
+        seen |= relay.send(parser.finish())
+        rounds.append(last)
+        if seen and visible_from is None:
+            visible_from = last
+        calls = list(parser.calls)
+        if last.finish_reason != "stop" or not calls or n == MAX_TOOL_ROUNDS:
+            break
+        results = [execute(rt, call, offered) for call in calls]
+        messages.append({"role": "assistant", "content": None, "tool_calls": [c.to_openai() for c in calls]})
+        messages += [{"role": "tool", "tool_call_id": c.id, "content": r} for c, r in zip(calls, results)]
+        exchange += [(CALL_ROLE, stored_call(c.id, c.name, c.arguments)) for c in calls]
+        exchange += [(RESULT_ROLE, r) for r in results]
+    job["tool_messages"] = exchange
+    return combined(rid, rounds, relay.text, visible_from, "cancelled" if cancelled else None)
+
+
+def execute(rt: WorkerRuntime, call: ToolCall, offered: set[str]) -> str:
+    """A call's result as JSON text for the model: a clear error for a tool or arguments it got wrong."""
+    executor = EXECUTORS.get(call.name) if call.name in offered else None
+    try:
+        arguments = json.loads(call.arguments or "{}")
+    except json.JSONDecodeError:
+        arguments = None
+    if executor is None:
+        result = {"error": "unknown tool", "message": f"There is no tool {call.name!r}; use one of "
+                                                      f"{', '.join(sorted(offered))}."}
+    elif not isinstance(arguments, dict):
+        result = {"error": "invalid arguments", "message": "The arguments must be a JSON object."}
+    else:
+        def read() -> dict[str, Any]:
+            with rt.sessions() as db:
+                return executor(db, arguments)
+        result = rt.sql_retrying(read, f"running the tool {call.name}")
+    log.debug("tool %s(%s) -> %s", call.name, call.arguments, result)
+    return json.dumps(result, ensure_ascii=False, separators=(",", ":"))
+
+
+def combined(rid: str, rounds: list[RequestFinished], text: str, visible_from: RequestFinished | None,
+             finish_reason: str | None) -> RequestFinished:
+    """One end for the whole exchange: every generation's tokens, the customer's text, the first token they saw."""
+    first, last = rounds[0], rounds[-1]
+    weights = [max(1, r.completion_tokens) for r in rounds]
+    return RequestFinished(
+        request_id=rid, text=text, token_ids=[t for r in rounds for t in r.token_ids],
+        finish_reason=finish_reason or last.finish_reason,
+        prompt_tokens=sum(r.prompt_tokens for r in rounds), completion_tokens=sum(r.completion_tokens for r in rounds),
+        cached_tokens=sum(r.cached_tokens for r in rounds), arrival_time=first.arrival_time,
+        admitted_time=first.admitted_time, first_token_time=(visible_from or last).first_token_time,
+        finished_time=last.finished_time, preemptions=sum(r.preemptions for r in rounds), error=last.error,
+        mean_batch_size=sum(r.mean_batch_size * w for r, w in zip(rounds, weights)) / sum(weights))

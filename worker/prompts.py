@@ -1,0 +1,91 @@
+"""A job's prompt as token ids: chat messages through the template (tools in its own format, or the fallback), or a
+completion's text or ids as they are."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from structured import Tool
+from structured.tools import call_text, instructions, response_text
+from worker.engine import InvalidRequestError
+
+
+def has_tool_format(tokenizer) -> bool:
+    """The chat template reads `tools` (Qwen2.5, Qwen3, Llama 3.1 and Hermes-style templates do)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("tool_use") or template.get("default")
+    return isinstance(template, str) and "tools" in template
+
+
+def _arguments(text: Any) -> Any:
+    """A call's arguments as templates expect them: an object, not its JSON text."""
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def native(messages: list[dict]) -> list[dict]:
+    """Messages for a template with a tool format: calls' arguments parsed, no content left null."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
+
+
+def fallback(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template without a tool format: the tools described in the system prompt, calls written as
+    the model would write them, tool results as user messages in <tool_response> blocks."""
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "tool":
+            out.append({"role": "user", "content": response_text(content)})
+        elif role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(call_text(c["function"]["name"], _arguments(c["function"]["arguments"]))
+                              for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        described = instructions([Tool.from_openai(spec) for spec in tools])
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
+        else:
+            out.insert(0, {"role": "system", "content": described})
+    return out
+
+
+def plain(messages: list[dict]) -> bool:
+    return all(set(m) <= {"role", "content"} and m["role"] in ("system", "user", "assistant") for m in messages)
+
+
+def render_chat(engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Prompt ids of chat messages; plain messages without tools go through the engine's own rendering unchanged."""
+    if not tools and plain(messages):
+        return engine.render_chat(messages)
+    tokenizer = engine.tokenizer
+    if has_tool_format(tokenizer):
+        kwargs = {"tools": tools} if tools else {}
+        return list(tokenizer.apply_chat_template(native(messages), add_generation_prompt=True, return_dict=False,
+                                                  **kwargs))
+    return engine.render_chat(fallback(messages, tools))
+
+
+def completion_ids(engine, prompt: str | list[int]) -> list[int]:
+    """A completion's prompt as ids: text tokenized as the model's tokenizer does by default, ids checked."""
+    if isinstance(prompt, str):
+        return list(engine.tokenizer(prompt)["input_ids"])
+    outside = sorted({t for t in prompt if t >= engine.vocab})
+    if outside:
+        raise InvalidRequestError(f"The prompt has token ids the model does not have: {outside[:5]}; its ids run "
+                                  f"from 0 to {engine.vocab - 1}.")
+    return list(prompt)

@@ -101,6 +101,15 @@ def test_required_tool_choice_with_tool_history_calls_one_of_the_tools(client):
     assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 100
 
 
+def test_auto_shows_the_tools_to_the_model_and_none_does_not(client):
+    def prompt_tokens(**tools) -> int:
+        return client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1, **tools).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=[LOOKUP]) == prompt_tokens(tools=[LOOKUP], tool_choice="auto") > plain + 50
+    assert prompt_tokens(tools=[LOOKUP], tool_choice="none") == plain
+
+
 def test_logprobs_whole_and_streamed(client):
     request = dict(model="any", messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3)
     reply = client.chat.completions.create(**request)

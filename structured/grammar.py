@@ -45,8 +45,9 @@ class Structure:
 
     @property
     def key(self) -> str:
-        """Canonical text of the whole constraint: equal keys compile to the same grammar."""
-        return json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+        """Text of the whole constraint: equal keys compile to the same grammar. Keys keep their order: a schema's
+        `properties` order is the order the answer writes them in (a tool call's name before its arguments)."""
+        return json.dumps(self.to_json(), separators=(",", ":"))
 
     def grammar(self) -> str:
         """The llguidance grammar (its JSON form), checked: raises StructureError when it does not compile."""

@@ -130,3 +130,28 @@ def test_the_web_process_sends_the_same_packet_socketio_would():
     expected = eio_packet.Packet(eio_packet.MESSAGE,
                                  sio_packet.Packet(sio_packet.EVENT, namespace="/", data=["token", data]).encode())
     assert sent == [("eio1", expected.encode()), ("eio2", expected.encode())]
+
+
+def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_its_last_choice(r):
+    from dataclasses import replace
+
+    from worker.engine import TokenLogprob
+
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(STREAM_CHANNEL)
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0,
+                          describe=lambda e: {"token": str(e.token_id), "logprob": e.logprob})
+    answer = publisher.track(job("d", api=True), 0)
+    entry = TokenLogprob(token_id=7, logprob=-0.5, rank=1, top=[])
+    publisher.outbox.put([TokenDelta("d", "A", [7], index=0, logprobs=[entry]),
+                          TokenDelta("d", "", [8], index=1, logprobs=[replace(entry, token_id=8)])])
+    [first] = batches(pubsub, 1)
+    assert [e.data for e in first] == [
+        {"request_id": "d", "text": "A", "offset": 0, "logprobs": [{"token": "7", "logprob": -0.5}]},
+        {"request_id": "d", "text": "", "offset": 0, "index": 1, "logprobs": [{"token": "8", "logprob": -0.5}]}]
+    publisher.outbox.put([replace(finished("d", "A"), index=0, finished=False)])
+    time.sleep(0.2)
+    assert answer.ends.empty(), "one choice ended; the request has not"
+    publisher.outbox.put([TokenDelta("d", "Bc", [9], index=1), replace(finished("d", "Bc"), index=1)])
+    assert answer.wait().index == 1 and [e.text for e in answer.ordered()] == ["A", "Bc"]
+    assert int(r.get(streamed_key("d"))) == 1, "the stream position is choice 0's"

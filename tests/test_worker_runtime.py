@@ -73,3 +73,26 @@ def test_a_lost_ack_of_an_answered_request_is_sent_again_and_a_lost_hand_back_st
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_choices_are_stored_as_one_record_and_reported_each_with_its_own_end():
+    import time
+    from dataclasses import replace
+
+    from worker.engine import RequestFinished
+    from worker.runtime import api_fields, combined
+
+    now = time.time()
+    first = RequestFinished(request_id="r", text="Hi", token_ids=[1], finish_reason="stop", prompt_tokens=5,
+                            completion_tokens=1, cached_tokens=0, arrival_time=now, admitted_time=now,
+                            first_token_time=now + 1, finished_time=now + 2, mean_batch_size=1.0, finished=False)
+    second = replace(first, text="Hello", completion_tokens=3, finish_reason="length", index=1,
+                     first_token_time=now + 0.5, finished_time=now + 3, finished=True)
+    record = combined([first, second])
+    assert (record.text, record.completion_tokens, record.finish_reason) == ("Hi", 4, "stop")
+    assert (record.first_token_time, record.finished_time) == (now + 0.5, now + 3)
+    assert combined([first, replace(second, finish_reason="error", error="boom")]).error == "boom"
+    fields = api_fields({"request_id": "r"}, [first, second], None, lambda ids: "")
+    assert fields == {"choices": [
+        {"index": 0, "text": "Hi", "finish_reason": "stop", "completion_tokens": 1},
+        {"index": 1, "text": "Hello", "finish_reason": "length", "completion_tokens": 3}]}

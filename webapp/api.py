@@ -1,38 +1,41 @@
-"""OpenAI-compatible HTTP API: /v1/chat/completions (plain or server-sent events) and /v1/models."""
+"""OpenAI-compatible HTTP API: /v1/chat/completions and /v1/completions (plain or server-sent events), /v1/models."""
 
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from typing import NamedTuple
 
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
+from messaging import jobs
 from messaging.contract import HEARTBEAT_PREFIX
 
-from . import keyring, limits, queue
+from . import api_answers, api_params, keyring, limits, queue
 from .queue import UserError
 from .security import clean_text
 
 bp = Blueprint("api", __name__, url_prefix="/v1")
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the system message
-MAX_TOKENS_LIMIT = 4096
 MAX_MESSAGES = 500
-MAX_STOP_CHARS = 200
 MAX_MODEL_CHARS = 256
-KNOWN_FIELDS = frozenset({
-    "messages", "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k",
-    "repetition_penalty", "seed", "stop", "stream", "stream_options", "n",
-    # Bookkeeping that changes nothing about the answer: accepted and ignored.
-    "user", "metadata", "store", "service_tier", "parallel_tool_calls",
+MAX_PROMPT_TOKENS = 32_768
+LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
+# Both endpoints: sampling, choices, streaming, and bookkeeping that changes nothing about the answer (accepted and
+# ignored: user, metadata, store, service_tier).
+COMMON_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty", "logit_bias", "seed", "stop", "stream", "stream_options", "n", "logprobs",
+    "user", "metadata", "store", "service_tier",
 })
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
+                               "tool_choice", "parallel_tool_calls"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
 # OpenAI parameters this server does not implement: accepted only at the value that means "not used".
-NEUTRAL = {"presence_penalty": 0, "frequency_penalty": 0, "logprobs": False, "top_logprobs": 0, "logit_bias": {},
-           "tools": [], "functions": [], "tool_choice": "none", "response_format": {"type": "text"}}
+NEUTRAL = {"functions": [], "function_call": "none", "suffix": "", "best_of": 1}
 # An answer that sends nothing for this long is given up on: its worker died and it was not redelivered.
 SILENCE_LIMIT_S = 120
 
@@ -40,7 +43,8 @@ SILENCE_LIMIT_S = 120
 def error_response(exc: UserError):
     kind = "rate_limit_error" if exc.status == 429 else "invalid_request_error" if exc.status < 500 else "api_error"
     headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, limits.RateLimited) else {}
-    return {"error": {"message": exc.message, "type": kind, "param": None, "code": exc.code}}, exc.status, headers
+    return {"error": {"message": exc.message, "type": kind, "param": getattr(exc, "param", None), "code": exc.code}}, \
+        exc.status, headers
 
 
 def http_error(exc: HTTPException):
@@ -102,13 +106,14 @@ def read_json() -> dict:
     return body
 
 
-def check_fields(body: dict) -> None:
+def check_fields(body: dict, known: frozenset[str]) -> None:
     for name, value in body.items():
-        if name in KNOWN_FIELDS:
-            continue
         if name in NEUTRAL:
             if value is not None and value != NEUTRAL[name]:
-                raise UserError("unsupported_parameter", f"'{name}' is not supported by this server; remove it.")
+                raise UserError("unsupported_parameter", f"'{name}' is not supported by this server; remove it.",
+                                param=name)
+            continue
+        if name in known:
             continue
         raise UserError("unknown_parameter", f"Unrecognized request argument supplied: {name[:40]!r}. Remove it; "
                                              "see GET /v1/models and the README for what this server takes.")
@@ -126,130 +131,201 @@ def models():
                                        for name in served_models()]}
 
 
-def _number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    # Floats must be finite; ints are compared exactly, however many digits they have.
-    if isinstance(value, bool) or not ok or (isinstance(value, float) and not math.isfinite(value)) \
-            or not low <= value <= high:
-        kind = "an integer" if integer else "a number"
-        got = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise UserError("invalid_value", f"'{name}' must be {kind} between {low} and {high}; got {got}.")
-    return value
-
-
 def parse_messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise UserError("invalid_messages", "'messages' must be a non-empty list of {role, content} objects.")
+        raise UserError("invalid_messages", "'messages' must be a non-empty list of {role, content} objects.",
+                        param="messages")
     if len(messages) > MAX_MESSAGES:
-        raise UserError("context_length_exceeded", f"At most {MAX_MESSAGES} messages; send fewer.")
-    out = []
-    for i, m in enumerate(messages):
-        role = ROLE_ALIASES.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
-        if role not in ROLES:
-            raise UserError("invalid_messages", f"messages[{i}] needs a role of {', '.join(ROLES)}.")
-        content = m.get("content")
-        if isinstance(content, list):   # the content-parts form: only text parts are understood
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise UserError("invalid_messages", f"messages[{i}]: only text content parts are supported.")
-            content = "".join(p["text"] for p in content)
-        if not isinstance(content, str):
-            raise UserError("invalid_messages", f"messages[{i}].content must be a string.")
-        content = clean_text(content)   # the same hygiene as the chat: control characters dropped
-        if role == "user" and not content.strip():
-            raise UserError("empty_message", f"messages[{i}] is an empty user message; send some text.")
-        out.append({"role": role, "content": content})
+        raise UserError("context_length_exceeded", f"At most {MAX_MESSAGES} messages; send fewer.", param="messages")
+    out = [parse_message(m, i) for i, m in enumerate(messages)]
     if sum(len(m["content"]) for m in out) > 16 * current_app.config["MAX_MESSAGE_CHARS"]:
-        raise UserError("context_length_exceeded", "The messages are too long; send fewer or shorter messages.")
+        raise UserError("context_length_exceeded", "The messages are too long; send fewer or shorter messages.",
+                        param="messages")
     if out[0]["role"] != "system":   # the shop's persona only when the client brings none
         out.insert(0, {"role": "system", "content": current_app.config["SYSTEM_PROMPT"]})
     return out
 
 
-def parse_params(body: dict) -> dict:
-    if body.get("n", 1) != 1:
-        raise UserError("invalid_value", "Only n=1 is supported.")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        stop = [clean_text(s) for s in stop]
-    if not isinstance(stop, list) or len(stop) > 4 or \
-            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise UserError("invalid_value", f"'stop' must be a string or a list of at most 4 non-empty strings of at "
-                                         f"most {MAX_STOP_CHARS} characters.")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = {
-        "max_new_tokens": _number({"max_tokens": max_tokens}, "max_tokens", current_app.config["MAX_NEW_TOKENS"],
-                                  1, MAX_TOKENS_LIMIT, integer=True),
-        "temperature": _number(body, "temperature", 1.0, 0, 2),
-        "top_p": _number(body, "top_p", 1.0, 0, 1),
-        "top_k": _number(body, "top_k", 0, -1, 100_000, integer=True),
-        "repetition_penalty": _number(body, "repetition_penalty", 1.0, 0.01, 10),
-        "stop": stop,
-    }
-    if params["top_p"] == 0:
-        raise UserError("invalid_value", "'top_p' must be greater than 0.")
-    if body.get("seed") is not None:
-        params["seed"] = _number(body, "seed", None, 0, 2**63 - 1, integer=True)
-    return params
+def parse_message(m, i: int) -> dict:
+    def bad(what: str) -> UserError:
+        return UserError("invalid_messages", f"messages[{i}]{what}", param=f"messages[{i}]")
+
+    role = ROLE_ALIASES.get(m.get("role"), m.get("role")) if isinstance(m, dict) else None
+    if role not in ROLES:
+        raise bad(f" needs a role of {', '.join(ROLES)}.")
+    content = m.get("content")
+    if isinstance(content, list):   # the content-parts form: only text parts are understood
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise bad(": only text content parts are supported.")
+        content = "".join(p["text"] for p in content)
+    calls = m.get("tool_calls") if role == "assistant" else None
+    if content is None and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise bad(".content must be a string.")
+    content = clean_text(content)   # the same hygiene as the chat: control characters dropped
+    if role == "user" and not content.strip():
+        raise UserError("empty_message", f"messages[{i}] is an empty user message; send some text.",
+                        param=f"messages[{i}]")
+    out = {"role": role, "content": content}
+    if calls:
+        out["tool_calls"] = parse_calls(calls, bad)
+    if role == "tool":
+        call = m.get("tool_call_id")
+        if call is not None and not isinstance(call, str):
+            raise bad(".tool_call_id must be a string.")
+        out["tool_call_id"] = call or ""
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"][:64]
+    return out
+
+
+def parse_calls(calls, bad) -> list[dict]:
+    """An assistant message's earlier tool calls, as OpenAI writes them."""
+    if not isinstance(calls, list):
+        raise bad(".tool_calls must be a list of tool calls.")
+    out = []
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), str) or not isinstance(call.get("id", ""), str):
+            raise bad(f".tool_calls[{k}] must be {{\"id\": ..., \"type\": \"function\", \"function\": {{\"name\": "
+                      "..., \"arguments\": \"<JSON text>\"}}}}.")
+        arguments = clean_text(function.get("arguments", ""))
+        out.append({"id": call.get("id") or "", "type": "function",
+                    "function": {"name": function["name"][:64], "arguments": arguments}})
+    return out
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """A completion's prompt: text, token ids, or a list holding one of those."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise UserError("invalid_prompt", "'prompt' is empty; send some text.", param="prompt")
+        if len(prompt) > 16 * current_app.config["MAX_MESSAGE_CHARS"]:
+            raise UserError("context_length_exceeded", "'prompt' is too long; send a shorter one.", param="prompt")
+        return clean_text(prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
+                                                   for t in prompt):
+        if len(prompt) > MAX_PROMPT_TOKENS:
+            raise UserError("context_length_exceeded", "'prompt' has too many tokens; send fewer.", param="prompt")
+        return prompt
+    raise UserError("invalid_prompt", "'prompt' must be a string, a list of token ids, or a list holding one of "
+                                      "those; send one prompt per request.", param="prompt")
 
 
 @bp.post("/chat/completions")
 def chat_completions():
+    return answer(read_chat, api_answers.chat_completion, api_answers.chat_stream)
+
+
+@bp.post("/completions")
+def completions():
+    return answer(read_completion, api_answers.completion, api_answers.completion_stream)
+
+
+def answer(read, whole, stream):
+    """Take a request in (`read` turns its body into a Request), then its answer whole or streamed."""
     with queue.intake():   # taking the request in; its answer streams outside the gate
-        taken = take_request()
+        taken = take_request(read)
     if not isinstance(taken, Taken):
         return taken   # the error response
-    job, events, model, stream, options = taken
-    if stream:
-        body = sse(job, events, model, options.get("include_usage", False))
-        return Response(stream_with_context(body), mimetype="text/event-stream",
+    job, events, shape, streaming = taken
+    if streaming:
+        return Response(stream_with_context(stream(job, events, shape)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    text, final = [], None
+    final = None
     for event in events:
-        if event["event"] == "token":
-            text.append(event["text"])
-        else:
+        if event["event"] != "token":
             final = event
     if final is None or final["event"] == "error":
         return error_response(UserError(final["code"] if final else "timeout",
                                         final["message"] if final else "The answer did not arrive; retry.",
                                         retryable=True, status=400 if final and not final["retryable"] else 503))
-    return completion(job, model, "".join(text), final)
+    return whole(job, shape, final)
+
+
+class Request(NamedTuple):
+    """A request's body read into what its job carries."""
+
+    messages: list[dict]
+    params: dict
+    extra: dict          # the job's API fields (messaging/jobs.py)
+    shape: api_answers.Shape
 
 
 class Taken(NamedTuple):
     job: dict
     events: Iterator[dict]
-    model: str
+    shape: api_answers.Shape
     stream: bool
-    options: dict
 
 
-def take_request():
+def read_chat(body: dict, model: str, include_usage: bool) -> Request:
+    check_fields(body, CHAT_FIELDS)
+    messages = parse_messages(body)
+    params = api_params.sampling(body, current_app.config["MAX_NEW_TOKENS"])
+    extra: dict = {}
+    if (logprobs := api_params.chat_logprobs(body)) is not None:
+        params["logprobs"] = logprobs
+    use = api_params.tool_use(body)
+    structure = api_params.response_format(body)
+    if structure is not None and use.structure is not None:
+        raise UserError("invalid_value", "'response_format' and a 'tool_choice' that forces a call cannot be used "
+                                         "together; send one of them.", param="response_format")
+    if structure is None:
+        structure = use.structure
+    if use.offered:
+        extra[jobs.TOOLS] = [tool.to_openai() for tool in use.tools]
+    if structure is not None:
+        extra[jobs.STRUCTURE] = structure.to_json()
+    return Request(messages, params, extra, api_answers.Shape(model, tools=use.offered, logprobs=logprobs is not None,
+                                                              include_usage=include_usage))
+
+
+def read_completion(body: dict, model: str, include_usage: bool) -> Request:
+    check_fields(body, COMPLETION_FIELDS)
+    prompt = parse_prompt(body)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise api_params.invalid("echo", "'echo' must be true or false.")
+    logprobs = api_params.legacy_logprobs(body)
+    # No answer at all (max_tokens 0) only scores the prompt, which the client sees through echo.
+    params = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1)
+    if logprobs is not None:
+        params["logprobs"] = logprobs
+    if echo and (logprobs is not None or params["max_new_tokens"] == 0):
+        params["prompt_logprobs"] = logprobs or 0
+    extra = {jobs.PROMPT: prompt, **({jobs.ECHO: True} if echo else {})}
+    return Request([], params, extra, api_answers.Shape(model, logprobs=logprobs is not None, echo=echo,
+                                                        include_usage=include_usage))
+
+
+def take_request(read) -> Taken | tuple:
     """Check, store and queue a completion request; its Taken, or the error response."""
     try:
         # Counted before the body is read, so floods of malformed requests are throttled too.
         limits.limit_message(api_session(), keyring.rate_limit())
         body = read_json()
-        check_fields(body)
-        messages, params = parse_messages(body), parse_params(body)
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
-            raise UserError("invalid_value", "'stream' must be true or false.")
+            raise api_params.invalid("stream", "'stream' must be true or false.")
         options = body.get("stream_options") or {}
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise UserError("invalid_value", "'stream_options' must be an object like {\"include_usage\": true}.")
+            raise api_params.invalid("stream_options", "'stream_options' must be an object like "
+                                                       "{\"include_usage\": true}.")
         model = body.get("model")
         if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
-            raise UserError("invalid_value", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
-        model = model or served_models()[0]
+            raise api_params.invalid("model", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
+        request = read(body, model or served_models()[0], options.get("include_usage", False))
         queue.check_room()
-        job = queue.new_job(messages, params, source="api", channel=True, api_key=keyring.current_name())
+        job = queue.new_job(request.messages, request.params, source="api", channel=True,
+                            api_key=keyring.current_name(), extra=request.extra)
         with current_app.extensions["db"]() as db:
             db.add(queue.record_for(job))
             db.commit()
@@ -257,57 +333,9 @@ def take_request():
         queue.send(job)
     except UserError as exc:
         return error_response(exc)
-    return Taken(job, events, model, stream, options)
+    return Taken(job, events, request.shape, stream)
 
 
 def subscribe(job: dict) -> Iterator[dict]:
     # Survives a Redis restart: see queue.subscribe.
     return queue.subscribe(job, SILENCE_LIMIT_S)
-
-
-def completion(job: dict, model: str, text: str, done: dict) -> dict:
-    return {
-        "id": f"chatcmpl-{job['request_id']}", "object": "chat.completion", "created": int(job["enqueued_at"]),
-        "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": finish_reason(done)}],
-        "usage": usage(done),
-    }
-
-
-def usage(done: dict) -> dict:
-    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
-            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
-
-
-def finish_reason(done: dict) -> str:
-    return "length" if done["finish_reason"] == "length" else "stop"
-
-
-def sse(job: dict, events: Iterator[dict], model: str, include_usage: bool = False) -> Iterator[str]:
-    def chunk(delta: dict | None, reason: str | None = None, usage: dict | None = None) -> str:
-        body = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
-                "created": int(job["enqueued_at"]), "model": model,
-                "choices": [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": reason}]}
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
-    finished = False
-    try:
-        yield chunk({"role": "assistant", "content": ""})
-        for event in events:
-            if event["event"] == "token":
-                yield chunk({"content": event["text"]})
-            elif event["event"] == "done":
-                finished = True
-                yield chunk({}, finish_reason(event))
-                if include_usage:   # OpenAI's shape: a last chunk with no choices, only usage
-                    yield chunk(None, usage=usage(event))
-            else:
-                finished = True
-                yield f"data: {json.dumps({'error': {'message': event['message'], 'code': event['code']}})}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:   # the client went away mid-answer: free the slot
-            queue.cancel(job["request_id"])

@@ -28,9 +28,11 @@ log = logging.getLogger(__name__)
 class UserError(Exception):
     """A request we refuse; the message tells the user what to do."""
 
-    def __init__(self, code: str, message: str, retryable: bool = False, status: int = 400) -> None:
+    def __init__(self, code: str, message: str, retryable: bool = False, status: int = 400,
+                 param: str | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.retryable, self.status = code, message, retryable, status
+        self.param = param   # the request parameter at fault, for OpenAI's error shape
 
 
 # While silent this long, an API listener looks for a final event it may have missed.
@@ -64,15 +66,18 @@ def check_room() -> None:
 
 
 def new_job(messages: list[dict], params: dict, source: str, conversation_id: str | None = None,
-            channel: bool = False, received_at: float | None = None, api_key: str | None = None) -> dict:
+            channel: bool = False, received_at: float | None = None, api_key: str | None = None,
+            extra: dict | None = None) -> dict:
     """A request to queue. Its `enqueued_at` (when the message came in, by default now) orders the worker's queue
-    and starts the request's latency clock; `api_key` is the name of the API key it came with."""
+    and starts the request's latency clock; `api_key` is the name of the API key it came with. `extra` adds the
+    API's fields (messaging/jobs.py says which), each absent from jobs that do not use it."""
     request_id = uuid.uuid4().hex
     # Fixed now, so a redelivery after a worker crash samples the same tokens and resumes the stream.
     params = {**params, "seed": params["seed"] if params.get("seed") is not None else secrets.randbits(63)}
     return {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
             "channel": events_channel(request_id) if channel else None, "source": source,
-            "enqueued_at": received_at or time.time(), "messages": messages, "params": params, "api_key": api_key}
+            "enqueued_at": received_at or time.time(), "messages": messages, "params": params, "api_key": api_key,
+            **(extra or {})}
 
 
 def record_for(job: dict) -> RequestRecord:
@@ -165,23 +170,34 @@ def _events(r: redis.Redis, stream, request_id: str, silence_limit_s: float) -> 
 
 
 class _Deltas:
-    """Turns the worker's deltas (each with its offset into the answer) into deltas with no gap or repeat."""
+    """Turns the worker's deltas (each with its choice and its offset into that choice's answer) into deltas with no
+    gap or repeat."""
 
     def __init__(self) -> None:
-        self.received, self.gap = 0, False
+        self.received: dict[int, int] = {}   # choice -> characters passed on
+        self.gap: set[int] = set()           # choices whose text was lost: the rest comes with the final event
 
     def feed(self, event: dict) -> list[dict]:
         if event["event"] == "token":
-            offset = event.get("offset", self.received)
-            if self.gap or offset > self.received:   # some text was lost: the rest comes with the final event
-                self.gap = True
+            index = event.get("index", 0)
+            received = self.received.get(index, 0)
+            offset = event.get("offset", received)
+            if index in self.gap or offset > received:
+                self.gap.add(index)
                 return []
-            new = event["text"][self.received - offset:]
-            self.received += len(new)
-            return [{**event, "text": new, "offset": self.received - len(new)}] if new else []
-        if event["event"] == "done" and len(event.get("text", "")) > self.received:
-            missing = event["text"][self.received:]
-            filler = {"event": "token", "request_id": event["request_id"], "text": missing, "offset": self.received}
-            self.received = len(event["text"])
-            return [filler, event]
+            new = event["text"][received - offset:]
+            if not new and (offset < received or not event.get("logprobs")):   # nothing this listener lacks
+                return []
+            self.received[index] = received + len(new)
+            return [{**event, "text": new, "offset": received}]
+        if event["event"] == "done":
+            fillers = []
+            for choice in event.get("choices") or [{"index": 0, "text": event.get("text", "")}]:
+                index, text = choice["index"], choice["text"]
+                received = self.received.get(index, 0)
+                if len(text) > received:
+                    fillers.append({"event": "token", "request_id": event["request_id"], "text": text[received:],
+                                    "offset": received, **({"index": index} if index else {})})
+                    self.received[index] = len(text)
+            return fillers + [event]
         return [event]

@@ -13,7 +13,7 @@ from typing import Any
 from messaging.chat_tools import CALL_ROLE, LOOKUP_ORDER, RESULT_ROLE, stored_call
 from structured import Structure, StreamParser, Tool, ToolCall, ToolError
 from structured.tools import Delta, forced
-from worker import order_tool, prompts
+from worker import order_tool
 from worker.engine import (Event, InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams,
                            TokenDelta)
 from worker.publisher import Answer
@@ -113,8 +113,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         params = replace(base, structure=structure,
                          max_new_tokens=max(base.max_new_tokens, CALL_TOKENS) if structure else base.max_new_tokens)
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
-        _, ids = fit_to_context(rt.engine, messages, reserve,
-                                render=lambda m: prompts.render(rt.engine.tokenizer, m, specs))
+        _, ids = fit_to_context(rt.engine, messages, reserve, tools=specs)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
         stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"))
         parser, seen = StreamParser(f"{rid}:{n}"), False

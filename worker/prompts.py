@@ -1,12 +1,15 @@
-"""Chat messages (tool calls and results included) and tools -> prompt ids, through the model's chat template when
-it has a tool format, else with the tools described in the system prompt and results as user messages."""
+"""A job's prompt as token ids: chat messages through the template (tools in its own format, or the fallback), or a
+completion's text or ids as they are."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from structured.tools import Tool, call_text, instructions, response_text
+from structured import Tool
+from structured.tools import call_text, instructions, response_text
+from worker.engine import InvalidRequestError
+
 
 _PROBE = {"type": "function", "function": {"name": "probe_tool_format_x9", "description": "",
                                            "parameters": {"type": "object", "properties": {}}}}
@@ -14,8 +17,10 @@ _formats: dict[tuple[int, str | None], bool] = {}
 
 
 def has_tool_format(tokenizer) -> bool:
-    """Whether the chat template renders `tools=` (Qwen2.5, Qwen3, Llama 3.1 do; SmolLM2's ignores them)."""
-    key = (id(tokenizer), tokenizer.chat_template)
+    """Whether the chat template renders `tools=` (Qwen2.5, Qwen3, Llama 3.1 and Hermes-style templates do;
+    SmolLM2's ignores them): a probe tool is rendered once per template and looked for."""
+    template = getattr(tokenizer, "chat_template", None)
+    key = (id(tokenizer), template if isinstance(template, str) else repr(template))
     if key not in _formats:
         try:
             text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[_PROBE], tokenize=False,
@@ -26,50 +31,77 @@ def has_tool_format(tokenizer) -> bool:
     return _formats[key]
 
 
-def render(tokenizer, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None) -> list[int]:
-    """Prompt ids for `messages` (OpenAI's shape: assistant `tool_calls`, `tool` results) offering `tools`."""
-    if has_tool_format(tokenizer):
-        chat, offered = [_templated(m) for m in messages], tools or None
-    else:
-        chat, offered = _described(messages, tools or []), None
-    ids = tokenizer.apply_chat_template(chat, tools=offered, add_generation_prompt=True, return_dict=False)
-    return list(ids)
-
-
 def _arguments(text: Any) -> Any:
+    """A call's arguments as templates expect them: an object, not its JSON text."""
+    if not isinstance(text, str):
+        return text
     try:
-        return json.loads(text) if isinstance(text, str) else text
+        return json.loads(text)
     except json.JSONDecodeError:
         return text
 
 
-def _templated(message: dict[str, Any]) -> dict[str, Any]:
-    """Templates read a call's arguments as an object, not its JSON text."""
-    if not message.get("tool_calls"):
-        return message
-    calls = [{"type": "function", "function": {"name": c["function"]["name"],
-                                               "arguments": _arguments(c["function"]["arguments"])}}
-             for c in message["tool_calls"]]
-    return {"role": "assistant", "content": message.get("content") or "", "tool_calls": calls}
+def native(messages: list[dict]) -> list[dict]:
+    """Messages for a template with a tool format: calls' arguments parsed, no content left null."""
+    out = []
+    for m in messages:
+        m = {**m, "content": m.get("content") or ""}
+        if m.get("tool_calls"):
+            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
+                               for c in m["tool_calls"]]
+        out.append(m)
+    return out
 
 
-def _described(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The fallback: the tools described in the system prompt, calls written as the model would write them, and
-    results as user messages between <tool_response> tags."""
-    out: list[dict[str, Any]] = []
-    for message in messages:
-        if message.get("tool_calls"):
-            calls = "".join(call_text(c["function"]["name"], _arguments(c["function"]["arguments"]))
-                            for c in message["tool_calls"])
-            out.append({"role": "assistant", "content": (message.get("content") or "") + calls})
-        elif message.get("role") == "tool":
-            out.append({"role": "user", "content": response_text(str(message.get("content") or ""))})
+def fallback(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a template without a tool format: the tools described in the system prompt, calls written as
+    the model would write them, tool results as user messages in <tool_response> blocks."""
+    out = []
+    for m in messages:
+        role, content = m["role"], m.get("content") or ""
+        if role == "tool":
+            out.append({"role": "user", "content": response_text(content)})
+        elif role == "assistant" and m.get("tool_calls"):
+            calls = "\n".join(call_text(c["function"]["name"], _arguments(c["function"]["arguments"]))
+                              for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
         else:
-            out.append({"role": message["role"], "content": message.get("content") or ""})
+            out.append({"role": role, "content": content})
     if tools:
-        described = instructions([Tool.from_openai(t) for t in tools])
+        described = instructions([Tool.from_openai(spec) for spec in tools])
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
         else:
             out.insert(0, {"role": "system", "content": described})
     return out
+
+
+def plain(messages: list[dict]) -> bool:
+    return all(set(m) <= {"role", "content"} and m["role"] in ("system", "user", "assistant") for m in messages)
+
+
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Prompt ids of chat messages in OpenAI's shape (assistant `tool_calls`, `tool` results) offering `tools`."""
+    if has_tool_format(tokenizer):
+        chat, kwargs = native(messages), ({"tools": tools} if tools else {})
+    else:
+        chat, kwargs = fallback(messages, tools), {}
+    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **kwargs))
+
+
+def render_chat(engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Prompt ids of chat messages; plain messages without tools go through the engine's own rendering unchanged."""
+    if not tools and plain(messages):
+        return engine.render_chat(messages)
+    return render(engine.tokenizer, messages, tools)
+
+
+def completion_ids(engine, prompt: str | list[int]) -> list[int]:
+    """A completion's prompt as ids: text tokenized as the model's tokenizer does by default, ids checked."""
+    if isinstance(prompt, str):
+        return list(engine.tokenizer(prompt)["input_ids"])
+    outside = sorted({t for t in prompt if t >= engine.vocab})
+    if outside:
+        raise InvalidRequestError(f"The prompt has token ids the model does not have: {outside[:5]}; its ids run "
+                                  f"from 0 to {engine.vocab - 1}.")
+    return list(prompt)

@@ -13,7 +13,7 @@ import redis
 
 from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, streamed_key
 from messaging.stream import encode_batch, event_for
-from worker.engine import Event, RequestFinished, TokenDelta
+from worker.engine import Event, RequestFinished, TokenDelta, TokenLogprob
 
 log = logging.getLogger(__name__)
 
@@ -24,24 +24,35 @@ DEFAULT_WINDOW_S = 0.05
 
 @dataclass
 class Answer:
-    """A request this worker is answering: how far its text has got, and its end once it comes."""
+    """A request this worker is answering: how far each choice's text has got, and its end once it comes."""
 
     job: dict
-    shown: int                  # characters clients were already sent, by this delivery or an earlier one
-    produced: int = 0           # characters this delivery has generated
-    ends: queue.Queue[RequestFinished] = field(default_factory=queue.Queue)
+    shown: int                  # characters of choice 0 clients were already sent, by this delivery or an earlier one
+    produced: dict[int, int] = field(default_factory=dict)   # choice -> characters this delivery has generated
+    choices: dict[int, RequestFinished] = field(default_factory=dict)   # each choice's end, as it comes
+    ends: queue.Queue[RequestFinished] = field(default_factory=queue.Queue)   # the request's last end
 
-    def unseen(self, text: str) -> tuple[str, int] | None:
-        """The part of the next `text` that no client was sent yet, with its offset in the answer."""
-        start, self.produced = self.produced, self.produced + len(text)
-        if self.produced <= self.shown:
+    def unseen(self, text: str, index: int = 0, carries: bool = False) -> tuple[str, int] | None:
+        """The part of a choice's next `text` that no client was sent yet, with its offset in that choice's answer.
+        Only choice 0 resumes after what an earlier delivery showed (the chat's one choice); the others are sent
+        from their start, and API clients drop what they have by its offset. `carries`: the delta holds more than
+        its text (log-probabilities), so it goes out even with no new text."""
+        start = self.produced.get(index, 0)
+        end = self.produced[index] = start + len(text)
+        shown = self.shown if index == 0 else 0
+        if end <= shown and (start < shown or not carries) or not (text or carries):
             return None
-        new = text[max(0, self.shown - start):]
-        self.shown = self.produced
-        return new, self.produced - len(new)
+        new = text[max(0, shown - start):]
+        if index == 0:
+            self.shown = max(shown, end)
+        return new, end - len(new)
 
     def wait(self) -> RequestFinished:
+        """The request's last end; `choices` then holds every choice's."""
         return self.ends.get()
+
+    def ordered(self) -> list[RequestFinished]:
+        return [self.choices[i] for i in sorted(self.choices)]
 
 
 class Publisher:
@@ -54,13 +65,15 @@ class Publisher:
     """
 
     def __init__(self, client: redis.Redis, on_redis_error: Callable[[], None],
-                 window_s: float = DEFAULT_WINDOW_S) -> None:
+                 window_s: float = DEFAULT_WINDOW_S, describe: Callable[[TokenLogprob], dict] | None = None) -> None:
         self.redis, self.on_redis_error, self.window_s = client, on_redis_error, window_s
+        self.describe = describe   # a token's log-probabilities as JSON for clients (worker/token_json.py)
         self.outbox: queue.Queue[list[Event]] = queue.Queue()   # the engine puts each step's events here
         self.answers: dict[str, Answer] = {}
         self.lock = threading.Lock()
         self.blind = False   # text deltas are failing to reach Redis
-        self.pending: dict[str, list[str]] = {}   # request id -> text not sent yet, in order
+        # (request id, choice) -> text not sent yet, in order, and the log-probabilities of its tokens
+        self.pending: dict[tuple[str, int], tuple[list[str], list[TokenLogprob]]] = {}
         self.sent_at = 0.0   # monotonic time of the last send
         self.batches = 0     # messages published, for tests and benchmarks
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
@@ -98,14 +111,16 @@ class Publisher:
         """Take in a step's events; send what is due (everything, once the window has passed)."""
         urgent = False
         for event in events:
-            if isinstance(event, TokenDelta) and event.text:
-                parts = self.pending.get(event.request_id)
-                if parts is None:
-                    parts = self.pending[event.request_id] = []
+            if isinstance(event, TokenDelta) and (event.text or event.logprobs):
+                key = (event.request_id, event.index)
+                held = self.pending.get(key)
+                if held is None:
+                    held = self.pending[key] = ([], [])
                     with self.lock:
                         answer = self.answers.get(event.request_id)
-                    urgent |= answer is not None and answer.produced == 0   # its first text
-                parts.append(event.text)
+                    urgent |= answer is not None and not answer.produced.get(event.index)   # its first text
+                held[0].append(event.text)
+                held[1].extend(event.logprobs or ())
             elif isinstance(event, RequestFinished):
                 urgent = True   # its last text goes out before its end can
         if self.pending and (urgent or time.monotonic() - self.sent_at >= self.window_s):
@@ -116,22 +131,29 @@ class Publisher:
         pending, self.pending = self.pending, {}
         self.sent_at = time.monotonic()
         with self.lock:
-            answers = {rid: self.answers.get(rid) for rid in pending}
-        deltas = [(answer, unseen) for rid, parts in pending.items()
-                  if (answer := answers[rid]) is not None and (unseen := answer.unseen("".join(parts)))]
+            answers = {rid: self.answers.get(rid) for rid, _ in pending}
+        deltas = [(answer, index, unseen, logprobs) for (rid, index), (parts, logprobs) in pending.items()
+                  if (answer := answers[rid]) is not None
+                  and (unseen := answer.unseen("".join(parts), index, carries=bool(logprobs)))]
         if deltas:
             self.send(deltas)
 
-    def send(self, deltas: list[tuple[Answer, tuple[str, int]]]) -> None:
+    def send(self, deltas: list[tuple[Answer, int, tuple[str, int], list[TokenLogprob]]]) -> None:
         """Every request's text delta in one message, and the stream positions after them, in one transaction:
         a worker killed here has either shown a text and recorded its position, or neither, so a redelivery
         never shows text twice, even to a client that ignores offsets. While Redis is down the deltas are lost
         (the final event carries the whole text, and clients see the gap in the offsets)."""
         events, pipe = [], self.redis.pipeline(transaction=True)
-        for answer, (text, offset) in deltas:
+        for answer, index, (text, offset), logprobs in deltas:
             rid = answer.job["request_id"]
-            events.append(event_for(answer.job, "token", {"request_id": rid, "text": text, "offset": offset}))
-            pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
+            data = {"request_id": rid, "text": text, "offset": offset}
+            if index:
+                data["index"] = index
+            if logprobs and self.describe is not None:
+                data["logprobs"] = [self.describe(entry) for entry in logprobs]
+            events.append(event_for(answer.job, "token", data))
+            if index == 0:
+                pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
         pipe.publish(STREAM_CHANNEL, encode_batch(events))
         try:
             pipe.execute()
@@ -149,10 +171,14 @@ class Publisher:
     def _hand_over_ends(self, events: list[Event]) -> None:
         for event in events:
             if isinstance(event, RequestFinished):
-                with self.lock:
-                    answer = self.answers.pop(event.request_id, None)
+                with self.lock:   # with n choices, each ends on its own; the request ends with the last
+                    answer = self.answers.get(event.request_id)
+                    if answer is not None and event.finished:
+                        del self.answers[event.request_id]
                 if answer is not None:
-                    answer.ends.put(event)
+                    answer.choices[event.index] = event
+                    if event.finished:
+                        answer.ends.put(event)
 
 
 def publish_event(client: redis.Redis | redis.client.Pipeline, job: dict, name: str, data: dict) -> None:

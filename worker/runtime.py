@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import redis
@@ -16,6 +16,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from messaging.connections import redis_client
 from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
                                 streamed_key)
+from messaging.jobs import ECHO
 from messaging.queue import visibility_timeout
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
@@ -26,7 +27,9 @@ from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
 from worker.publisher import Answer, Publisher, publish_event
 from worker.reaper import Reaper
+from worker.prompts import render_chat
 from worker.settings import WorkerSettings
+from worker.token_json import TokenJson
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +100,10 @@ class WorkerRuntime:
         self.draining = threading.Event()       # shutting down: start nothing new
         self.handing_back = threading.Event()   # grace period over: unfinished answers go back to the queue
         self.redis_failed_at = -ECHO_WINDOW_S        # monotonic time of the latest failure seen
-        self.publisher = Publisher(self.redis, on_redis_error=self._redis_failed, window_s=s.stream_window_s)
+        tokenizer = getattr(self.engine, "tokenizer", None)
+        self.tokens = TokenJson(tokenizer) if tokenizer is not None else None
+        self.publisher = Publisher(self.redis, on_redis_error=self._redis_failed, window_s=s.stream_window_s,
+                                   describe=self.tokens)
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
         Reaper(self, s.lost_after_s).start()
@@ -235,7 +241,7 @@ class WorkerRuntime:
                                mean_batch_size=0.0, error=message)
         self.store(job, done)
         self.finish("error", {"request_id": job["request_id"], "code": code, "message": message,
-                              "retryable": code != "prompt_too_long"}, job)
+                              "retryable": code not in ("prompt_too_long", "invalid_request")}, job)
 
     def begin_shutdown(self) -> None:
         self.draining.set()
@@ -310,27 +316,59 @@ def capacity(engine) -> dict:
 
 
 def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, completion_tokens: int,
-            error: str | None = None) -> tuple[str, dict]:
-    """The event that ends a request for its client: `done`, or `error` when generation failed."""
+            error: str | None = None, extra: dict | None = None) -> tuple[str, dict]:
+    """The event that ends a request for its client: `done`, or `error` when generation failed. `extra`: the API's
+    own fields (each choice, the echoed prompt), which the chat's events never carry."""
     if finish_reason == "error":
         return "error", {"request_id": job["request_id"], "code": "generation_failed", "retryable": True,
                          "message": error or "The assistant failed while answering; please send your message again."}
     return "done", {"request_id": job["request_id"], "conversation_id": job.get("conversation_id"), "text": text,
                     "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens}
+                    "completion_tokens": completion_tokens, **(extra or {})}
+
+
+def combined(ends: list[RequestFinished]) -> RequestFinished:
+    """One record of a request's choices: the first's text and timings, every choice's tokens; an error in any
+    choice is the request's."""
+    first = ends[0]
+    failed = next((e for e in ends if e.finish_reason == "error"), None)
+    return replace(first, completion_tokens=sum(e.completion_tokens for e in ends),
+                   finish_reason=failed.finish_reason if failed else first.finish_reason,
+                   error=failed.error if failed else first.error,
+                   first_token_time=min((e.first_token_time for e in ends if e.first_token_time is not None),
+                                        default=None),
+                   finished_time=max(e.finished_time for e in ends), finished=True)
+
+
+def api_fields(job: dict, ends: list[RequestFinished], tokens: TokenJson | None, prompt_text) -> dict:
+    """What an API client's final event carries beyond the chat's: each choice (text, end, tokens,
+    log-probabilities) and, for an echo, the prompt's text and log-probabilities."""
+    fields: dict = {"choices": [
+        {"index": e.index, "text": e.text, "finish_reason": e.finish_reason, "completion_tokens": e.completion_tokens,
+         **({"logprobs": [tokens(x) for x in e.logprobs]} if e.logprobs is not None and tokens else {})}
+        for e in ends]}
+    if job.get(ECHO):
+        first = ends[0]
+        prompt: dict = {"text": prompt_text(first.prompt_token_ids)}
+        if first.prompt_logprobs is not None and tokens is not None:
+            prompt["logprobs"] = [
+                tokens(entry) if entry is not None else
+                {**tokens.one(token, 0.0), "logprob": None, "top_logprobs": None}
+                for token, entry in zip(first.prompt_token_ids, first.prompt_logprobs)]
+        fields["prompt"] = prompt
+    return fields
 
 
 def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int,
-                   render: Callable[[list[dict]], list[int]] | None = None) -> tuple[list[dict], list[int]]:
+                   tools: list[dict] | None = None) -> tuple[list[dict], list[int]]:
     """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits.
 
-    Returns the kept messages and their rendered prompt ids (by `render`, else the engine's chat template), so
-    the template is rendered once.
+    Returns the kept messages and their rendered prompt ids (with `tools`, if any), so the template is rendered once.
     """
     messages = list(messages)
     budget = engine.max_model_len - reserve
     first = 1 if messages and messages[0].get("role") == "system" else 0
-    while len(ids := (render or engine.render_chat)(messages)) > budget:
+    while len(ids := render_chat(engine, messages, tools)) > budget:
         if len(messages) - first <= 1:
             raise InvalidRequestError("This message is too long for the assistant to answer; "
                                       "shorten it or split it into several messages.")

@@ -12,10 +12,13 @@ from celery.signals import (task_postrun, task_received, worker_init, worker_rea
 
 from messaging.contract import GENERATE_TASK
 from worker import assistant
+from messaging.jobs import PROMPT, STRUCTURE, TOOLS, replayable
+from structured import Structure, StructureError
 from worker.celery_app import celery
 from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams
+from worker.prompts import completion_ids
 from worker.publisher import Answer
-from worker.runtime import Unavailable, WorkerRuntime, fit_to_context, outcome
+from worker.runtime import Unavailable, WorkerRuntime, api_fields, combined, fit_to_context, outcome
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +86,7 @@ def generate(job: dict) -> None:
 
 def answer(rt: WorkerRuntime, job: dict) -> None:
     rid = job["request_id"]
-    if (stored := rt.stored_outcome(job)) is not None:   # answered before: show it again, never regenerate
+    if replayable(job) and (stored := rt.stored_outcome(job)) is not None:   # answered before: show it again
         log.info("request %s was answered before; not generating again", rid)
         rt.finish(*stored, job)
         return
@@ -101,28 +104,51 @@ def answer(rt: WorkerRuntime, job: dict) -> None:
 def submit(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
     """The answer under way, or None when the request was answered with an error (or is already running)."""
     try:
-        params = SamplingParams(**job.get("params", {}))
-        params.validate()
-        # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
-        reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
-        _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve)
+        params = sampling_params(job)
+        if job.get(PROMPT) is not None:   # a completion: the prompt as it is
+            prompt_ids = completion_ids(rt.engine, job[PROMPT])
+        else:
+            # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
+            reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
+            _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve, tools=job.get(TOOLS))
         return rt.start_answer(job, prompt_ids, params, shown)
-    except (InvalidRequestError, InvalidParamsError) as exc:
+    except (InvalidRequestError, InvalidParamsError, StructureError) as exc:
         if "already in use" in str(exc):   # the same request is being answered in this process
             return None
         rt.fail(job, "prompt_too_long" if "too long" in str(exc) else "invalid_request", str(exc))
         return None
 
 
+def sampling_params(job: dict) -> SamplingParams:
+    params = SamplingParams(**job.get("params", {}))
+    if job.get(STRUCTURE) is not None:
+        params.structure = Structure.from_json(job[STRUCTURE])
+    params.validate()
+    return params
+
+
 def conclude(rt: WorkerRuntime, job: dict, pending: Answer) -> None:
     """Wait while the publisher streams the text, then store the answer and send its end."""
     try:
-        last = pending.wait()
+        pending.wait()
     except BaseException:   # interrupted while waiting: free the slot rather than generate for nobody
         rt.engine.abort(job["request_id"])
         raise
+    ends = pending.ordered()
+    last = combined(ends)
     if last.finish_reason == "error" and rt.handing_back.is_set():
         log.info("handing %s back to the queue", job["request_id"])
         raise Reject("the worker's shutdown grace period ended", requeue=True)
-    if rt.store(job, last):   # False when another delivery stored (and showed) this answer first
-        rt.finish(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens), job)
+    # False when another delivery stored (and showed) this answer first; an answer that is not replayed from SQL
+    # was generated again, the same, and is shown again.
+    if rt.store(job, last) or not replayable(job):
+        extra = api_fields(job, ends, rt.tokens, lambda ids: prompt_text(rt, job, ids)) if job.get("channel") \
+            else None
+        rt.finish(*outcome(job, last.finish_reason, last.text, last.prompt_tokens, last.completion_tokens,
+                           extra=extra), job)
+
+
+def prompt_text(rt: WorkerRuntime, job: dict, ids: list[int]) -> str:
+    """A completion's prompt as its client sent it, or its ids decoded."""
+    prompt = job.get(PROMPT)
+    return prompt if isinstance(prompt, str) else rt.engine.tokenizer.decode(ids)

@@ -1,0 +1,26 @@
+"""A queued job's fields beyond the chat's, as the API sets them; a job without one (an older web process's) means
+"not used".
+
+    request_id, conversation_id, room, channel, source, enqueued_at, api_key   who asked, where the answer goes
+    messages      chat messages: {role, content}; the API's may also be {role: "tool", content, tool_call_id}
+                  and {role: "assistant", content, tool_calls: [OpenAI tool calls]}
+    params        SamplingParams fields, as JSON (logit_bias keys are token ids as strings)
+    structure     structured.Structure.to_json(): the answer's grammar (a JSON schema, forced tool calls)
+    tools         OpenAI tool definitions the prompt offers the model (rendered by the worker)
+    prompt        /v1/completions: the prompt as text or token ids, used as it is (no chat template); then
+                  `messages` is empty
+    echo          /v1/completions: the final event carries the prompt's text (and its log-probabilities when
+                  params.prompt_logprobs is set)
+"""
+
+from __future__ import annotations
+
+STRUCTURE, TOOLS, PROMPT, ECHO = "structure", "tools", "prompt", "echo"
+
+
+def replayable(job: dict) -> bool:
+    """Whether a stored answer can be shown again as it is: one choice, no log-probabilities (SQL keeps neither).
+    Other requests are generated again on redelivery, to the same tokens (their seed is fixed at acceptance)."""
+    params = job.get("params") or {}
+    return params.get("n", 1) == 1 and params.get("logprobs") is None and params.get("prompt_logprobs") is None \
+        and not job.get(ECHO)

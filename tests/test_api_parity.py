@@ -1,0 +1,270 @@
+"""OpenAI parity on /v1 through the real queue and worker: structured output, tools, logprobs, n, sampling
+parameters and /v1/completions, driven by the official `openai` client. The tiny random model writes junk, so
+only grammar-forced answers are checked for shape; everything else is checked against the plain request or the
+engine run directly."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+import redis
+import requests
+from pydantic import BaseModel, Field
+from sqlalchemy import func, select
+
+from messaging.contract import QUEUE
+from models import RequestRecord
+from tests.test_api_stack import MESSAGES, engine_direct
+from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
+from worker.model_loader import load_model
+
+LOOKUP = {"type": "function", "function": {
+    "name": "lookup_order", "description": "Find an order by its number.",
+    "parameters": {"type": "object", "properties": {"order_id": {"type": "integer", "minimum": 1, "maximum": 99999}},
+                   "required": ["order_id"], "additionalProperties": False}}}
+ESCALATE = {"type": "function", "function": {
+    "name": "escalate", "description": "Hand the chat to a person.",
+    "parameters": {"type": "object", "properties": {"reason": {"enum": ["angry", "complex", "other"]}},
+                   "required": ["reason"], "additionalProperties": False}}}
+
+
+class Order(BaseModel):
+    status: Literal["shipped", "pending", "lost"]
+    quantity: int = Field(ge=1, le=9)
+    gift: bool
+
+
+@pytest.fixture()
+def client(stack):
+    return openai.OpenAI(base_url=stack.web_urls[0] + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+
+
+def test_parse_with_a_pydantic_model_answers_a_valid_object(client, db):
+    reply = client.chat.completions.parse(model="any", messages=MESSAGES, response_format=Order, max_tokens=200,
+                                          seed=3)
+    message = reply.choices[0].message
+    assert isinstance(message.parsed, Order)
+    assert Order.model_validate_json(message.content) == message.parsed
+    with db() as s:
+        assert s.get(RequestRecord, reply.id.removeprefix("chatcmpl-")).finish_reason == "stop"
+
+
+def test_json_object_mode_answers_a_json_object(stack):
+    body = {"messages": MESSAGES, "response_format": {"type": "json_object"}, "max_tokens": 300, "temperature": 0}
+    reply = requests.post(stack.web_urls[1] + "/v1/chat/completions", json=body, timeout=60).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop", "the object was complete before the token limit"
+    assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_a_forced_tool_call_streams_deltas_the_client_reassembles(client):
+    request = dict(model="any", messages=MESSAGES, tools=[LOOKUP, ESCALATE], max_tokens=120, seed=11,
+                   tool_choice={"type": "function", "function": {"name": "lookup_order"}})
+    whole = client.chat.completions.create(**request)
+    choice = whole.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "lookup_order" and call.id.startswith("call_")
+    assert 1 <= json.loads(call.function.arguments)["order_id"] <= 99999
+
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    pieces = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    # How many pieces depends on how the worker's stream windows fell; tests/test_tools.py streams one per character.
+    # Ids derive from the request id: the same in a stream and in the whole answer of one request.
+    assert pieces[0].id.startswith("call_") and pieces[0].function.name == "lookup_order"
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    with client.chat.completions.stream(**request) as stream:   # the client's own reassembly
+        final = stream.get_final_completion()
+    [streamed] = final.choices[0].message.tool_calls
+    assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+    assert final.choices[0].finish_reason == "tool_calls" and streamed.id.startswith("call_")
+
+
+def test_required_tool_choice_with_tool_history_calls_one_of_the_tools(client):
+    history = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "lookup_order", "arguments": '{"order_id": 1234}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"status": "shipped"}'},
+        {"role": "user", "content": "I want a person."}]
+    reply = client.chat.completions.create(model="any", messages=history, tools=[LOOKUP, ESCALATE],
+                                           tool_choice="required", parallel_tool_calls=False, max_tokens=120, seed=5)
+    calls = reply.choices[0].message.tool_calls
+    assert reply.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    assert calls[0].function.name in ("lookup_order", "escalate")
+    json.loads(calls[0].function.arguments)
+    plain = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1)
+    # The tools and the earlier call and its result reached the prompt.
+    assert reply.usage.prompt_tokens > plain.usage.prompt_tokens + 100
+
+
+def test_auto_shows_the_tools_to_the_model_and_none_does_not(client):
+    def prompt_tokens(**tools) -> int:
+        return client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=1, **tools).usage.prompt_tokens
+
+    plain = prompt_tokens()
+    assert prompt_tokens(tools=[LOOKUP]) == prompt_tokens(tools=[LOOKUP], tool_choice="auto") > plain + 50
+    assert prompt_tokens(tools=[LOOKUP], tool_choice="none") == plain
+
+
+def test_logprobs_whole_and_streamed(client):
+    request = dict(model="any", messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=3)
+    reply = client.chat.completions.create(**request)
+    entries = reply.choices[0].logprobs.content
+    assert len(entries) == reply.usage.completion_tokens
+    for entry in entries:
+        assert len(entry.top_logprobs) == 3 and entry.logprob <= 0
+        # Greedy: the token chosen is the most likely one.
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, entry.top_logprobs[0].logprob)
+        assert entry.bytes == list(entry.token.encode())
+        assert entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob >= entry.top_logprobs[2].logprob
+    plain = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=12)
+    assert reply.choices[0].message.content == plain.choices[0].message.content, "logprobs change nothing"
+    assert plain.choices[0].logprobs is None
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
+
+
+def test_n_choices_whole_and_streamed(client):
+    request = dict(model="any", messages=MESSAGES, n=3, max_tokens=10, seed=21, temperature=1.0)
+    reply = client.chat.completions.create(**request)
+    assert [c.index for c in reply.choices] == [0, 1, 2]
+    texts = [c.message.content for c in reply.choices]
+    assert len(set(texts)) > 1, "seeded choices differ from each other"
+    single = client.chat.completions.create(**{**request, "n": 1})
+    assert single.choices[0].message.content == texts[0], "choice 0 draws with the request's own seed"
+    assert reply.usage.prompt_tokens == single.usage.prompt_tokens
+    assert reply.usage.completion_tokens > single.usage.completion_tokens
+    streamed: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    for chunk in client.chat.completions.create(**request, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                reasons[c.index] = c.finish_reason
+    assert [streamed[i] for i in range(3)] == texts
+    assert [reasons[i] for i in range(3)] == [c.finish_reason for c in reply.choices]
+
+
+def test_greedy_answers_are_unchanged_by_neutral_new_fields(client, tiny_model_dir):
+    expected = engine_direct(tiny_model_dir, MESSAGES, 16)
+    reply = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=16, n=2,
+                                           presence_penalty=0, frequency_penalty=0, logit_bias={}, tools=[LOOKUP],
+                                           tool_choice="none", response_format={"type": "text"})
+    assert [c.message.content for c in reply.choices] == [expected, expected]
+
+
+def test_logit_bias_reaches_the_sampler(client):
+    plain = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=3,
+                                           logprobs=True)
+    first = plain.choices[0].logprobs.content[0]
+    biased = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=3,
+                                            logprobs=True, logit_bias={"42": 100}, presence_penalty=0.5,
+                                            frequency_penalty=0.5, extra_body={"min_p": 0.05})
+    assert first.token != ":"
+    assert biased.choices[0].logprobs.content[0].token == ":"   # token 42 of the tokenizer
+
+
+def direct_completion(model_dir, ids: list[int], max_tokens: int) -> str:
+    model, tokenizer = load_model(str(model_dir))
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
+    engine.add_request("direct", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=max_tokens))
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, RequestFinished):
+                return event.text
+    raise AssertionError("no answer")
+
+
+def test_completions_take_ids_or_text_as_they_are(client, tiny_model_dir, tokenizer):
+    text = "Order 1234 was shipped on"
+    ids = tokenizer(text)["input_ids"]
+    by_ids = client.completions.create(model="any", prompt=ids, max_tokens=8, temperature=0)
+    assert by_ids.object == "text_completion" and by_ids.usage.prompt_tokens == len(ids)
+    assert by_ids.choices[0].text == direct_completion(tiny_model_dir, ids, 8)
+    by_text = client.completions.create(model="any", prompt=[text], max_tokens=8, temperature=0)
+    assert by_text.choices[0].text == by_ids.choices[0].text
+    pieces = [c.choices[0].text for c in client.completions.create(model="any", prompt=text, max_tokens=8,
+                                                                   temperature=0, stream=True) if c.choices]
+    assert "".join(pieces) == by_ids.choices[0].text and len([p for p in pieces if p]) > 1
+
+
+def test_completions_echo_and_logprobs_score_a_prompt(client, tokenizer):
+    text = "Where is my parcel?"
+    ids = tokenizer(text)["input_ids"]
+    scored = client.completions.create(model="any", prompt=text, max_tokens=0, echo=True, logprobs=2)
+    choice = scored.choices[0]
+    assert choice.text == text and scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(ids) and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert "".join(lp.tokens) == text and lp.text_offset[0] == 0
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(2 <= len(d) <= 3 for d in lp.top_logprobs[1:])
+    answered = client.completions.create(model="any", prompt=text, max_tokens=5, echo=True, logprobs=1,
+                                         temperature=0, n=2)
+    for c in answered.choices:
+        assert c.text.startswith(text) and len(c.logprobs.tokens) == len(ids) + 5
+        assert c.logprobs.token_logprobs[:len(ids)] == lp.token_logprobs
+        assert c.logprobs.text_offset[len(ids)] == len(text)
+    chunks = [c for c in client.completions.create(model="any", prompt=text, max_tokens=5, echo=True, logprobs=1,
+                                                   temperature=0, stream=True) if c.choices]
+    assert "".join(c.choices[0].text for c in chunks) == answered.choices[0].text
+    assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
+        answered.choices[0].logprobs.tokens
+
+
+BAD = [
+    ("/chat/completions", {"n": 9}, "n"),
+    ("/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("/chat/completions", {"logprobs": 3}, "logprobs"),
+    ("/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/chat/completions", {"logit_bias": {"abc": 5}}, "logit_bias"),
+    ("/chat/completions", {"logit_bias": {"42": 101}}, "logit_bias"),
+    ("/chat/completions", {"presence_penalty": 3}, "presence_penalty"),
+    ("/chat/completions", {"min_p": -0.1}, "min_p"),
+    ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "strnig"}}}}}}, "response_format"),
+    ("/chat/completions", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "uniqueItems": True, "not": {}}}}}, "response_format"),
+    ("/chat/completions", {"response_format": {"type": "yaml"}}, "response_format"),
+    ("/chat/completions", {"tools": [LOOKUP], "tool_choice": {"type": "function", "function": {"name": "refund"}}},
+     "tool_choice"),
+    ("/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/chat/completions", {"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools"),
+    ("/completions", {"prompt": "hi", "logprobs": 6}, "logprobs"),
+    ("/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ("/completions", {"prompt": ["a", "b"]}, "prompt"),
+    ("/completions", {"prompt": "hi", "n": 0}, "n"),
+]
+
+
+def test_bad_input_gets_an_openai_error_naming_the_parameter_and_nothing_is_queued(stack, db):
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+
+    def state() -> tuple:
+        with db() as s:
+            records = s.scalar(select(func.count()).select_from(RequestRecord))
+        return records, sum(1 for _ in r.scan_iter("supportbot:job:*")), r.llen(QUEUE)
+
+    before = state()
+    for path, fields, param in BAD:
+        body = {"messages": MESSAGES, **fields} if path == "/chat/completions" else fields
+        response = requests.post(stack.web_urls[0] + "/v1" + path, json=body, timeout=10)
+        assert response.status_code == 400, (fields, response.text)
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == param, (fields, error)
+        assert len(error["message"]) > 20, error
+    assert state() == before, "nothing queued and no record stored for a refused request"
+
+
+def test_the_openai_client_sees_an_invalid_schema_and_an_unknown_tool_as_bad_requests(client):
+    with pytest.raises(openai.BadRequestError, match="strnig"):
+        client.chat.completions.create(model="any", messages=MESSAGES, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}})
+    with pytest.raises(openai.BadRequestError, match="'refund', which is not among the tools"):
+        client.chat.completions.create(model="any", messages=MESSAGES, tools=[LOOKUP],
+                                       tool_choice={"type": "function", "function": {"name": "refund"}})

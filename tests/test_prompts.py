@@ -1,0 +1,64 @@
+"""Tools in prompts: through a chat template's own tool format, or the fallback for templates without one."""
+
+from __future__ import annotations
+
+import pytest
+
+from structured.tools import Tool, instructions
+from worker.engine import EngineConfig, InvalidRequestError, LLMEngine
+from worker.prompts import completion_ids, fallback, has_tool_format, native, render_chat
+
+LOOKUP = {"type": "function", "function": {"name": "lookup_order", "description": "Find an order.",
+                                           "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}}}}
+HISTORY = [
+    {"role": "system", "content": "You help."},
+    {"role": "user", "content": "Where is order 7?"},
+    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+        "name": "lookup_order", "arguments": '{"id": 7}'}}]},
+    {"role": "tool", "content": '{"status": "shipped"}', "tool_call_id": "call_1"},
+]
+# A template with a tool format of its own, in the way Qwen2.5's reads `tools`, calls and tool results.
+TOOL_TEMPLATE = (
+    "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+    "{% for m in messages %}[{{ m.role }}]{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}CALL {{ c.function.name }} {{ c.function.arguments.id }}{% endfor %}\n"
+    "{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+
+
+@pytest.fixture()
+def engine(tiny):
+    return LLMEngine(*tiny, EngineConfig(num_blocks=64))
+
+
+def test_the_fallback_describes_the_tools_and_writes_calls_and_results_as_text():
+    out = fallback(HISTORY, [LOOKUP])
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("You help.\n\n")
+    assert out[0]["content"].endswith(instructions([Tool.from_openai(LOOKUP)]))
+    assert out[2] == {"role": "assistant", "content": '<tool_call>\n{"name": "lookup_order", "arguments": {"id": 7}}'
+                                                      '\n</tool_call>'}
+    assert out[3] == {"role": "user", "content": '<tool_response>\n{"status": "shipped"}\n</tool_response>'}
+    assert all(set(m) == {"role", "content"} for m in out)
+
+
+def test_a_template_without_a_tool_format_gets_the_fallback(engine):
+    assert not has_tool_format(engine.tokenizer)
+    assert render_chat(engine, HISTORY, [LOOKUP]) == engine.render_chat(fallback(HISTORY, [LOOKUP]))
+    plain = [{"role": "user", "content": "hi"}]
+    assert render_chat(engine, plain) == engine.render_chat(plain), "plain chats render as before"
+
+
+def test_a_template_with_a_tool_format_renders_tools_calls_and_results_itself(engine):
+    engine.tokenizer.chat_template = TOOL_TEMPLATE
+    assert has_tool_format(engine.tokenizer)
+    text = engine.tokenizer.decode(render_chat(engine, HISTORY, [LOOKUP]))
+    assert text.startswith("TOOLS:lookup_order;[system]You help.")
+    assert "CALL lookup_order 7" in text, "the call's arguments reach the template as an object"
+    assert '[tool]{"status": "shipped"}' in text and text.endswith("[assistant]")
+    assert native(HISTORY)[2]["tool_calls"][0]["function"]["arguments"] == {"id": 7}
+
+
+def test_completion_prompts_are_used_as_they_are(engine):
+    assert completion_ids(engine, "Hello there") == engine.tokenizer("Hello there")["input_ids"]
+    assert completion_ids(engine, [1, 2, 3]) == [1, 2, 3]
+    with pytest.raises(InvalidRequestError, match="token ids the model does not have"):
+        completion_ids(engine, [1, engine.vocab + 5])

@@ -1,0 +1,221 @@
+"""OpenAI's response bodies and stream chunks from a job's events: choices, tool calls and log-probabilities, for
+chat completions and the legacy completions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from structured.tools import StreamParser, parse
+
+from . import queue
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What a client asked for, beyond the text: tool calls read from it, log-probabilities, the prompt echoed."""
+
+    model: str
+    tools: bool = False       # answers are read for tool calls
+    logprobs: bool = False    # chat: choices carry logprobs.content; completions: the legacy logprobs
+    echo: bool = False        # completions: the prompt comes before the answer
+    include_usage: bool = False
+
+
+def choices_of(done: dict) -> list[dict]:
+    """The final event's choices; an older worker's (or a replayed) final event has one, in its top level."""
+    return done.get("choices") or [{"index": 0, "text": done.get("text", ""), "finish_reason": done["finish_reason"],
+                                    "completion_tokens": done["completion_tokens"]}]
+
+
+def usage(done: dict) -> dict:
+    return {"prompt_tokens": done["prompt_tokens"], "completion_tokens": done["completion_tokens"],
+            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+
+
+def finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def call_scope(job: dict, index: int) -> str:
+    """What a choice's tool-call ids derive from: the same in a stream and in a whole answer."""
+    return job["request_id"] if index == 0 else f"{job['request_id']}:{index}"
+
+
+def error_event(event: dict) -> str:
+    return f"data: {json.dumps({'error': {'message': event['message'], 'code': event['code']}})}\n\n"
+
+
+def streamed(job: dict, body: Callable[[], Iterator[str]]) -> Iterator[str]:
+    """A stream's chunks, ended by [DONE]; `body` returns True once the answer's end was sent. A client that goes
+    away mid-answer frees its slot."""
+    ended = False
+    try:
+        ended = yield from body()
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:
+            queue.cancel(job["request_id"])
+
+
+# ---- chat completions -----------------------------------------------------------------------------
+
+
+def chat_completion(job: dict, shape: Shape, done: dict) -> dict:
+    choices = []
+    for c in choices_of(done):
+        message: dict = {"role": "assistant", "content": c["text"]}
+        reason = finish_reason(c["finish_reason"])
+        if shape.tools:
+            content, calls = parse(c["text"], call_scope(job, c["index"]))
+            message["content"] = content
+            if calls:
+                message["tool_calls"] = [call.to_openai() for call in calls]
+                reason = "tool_calls" if reason != "length" else reason
+        choices.append({"index": c["index"], "message": message,
+                        "logprobs": {"content": c.get("logprobs") or []} if shape.logprobs else None,
+                        "finish_reason": reason})
+    return {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion", "created": int(job["enqueued_at"]),
+            "model": shape.model, "choices": choices, "usage": usage(done)}
+
+
+def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
+    def chunk(index: int | None, delta: dict | None, reason: str | None = None, logprobs: list | None = None,
+              usage_: dict | None = None) -> str:
+        body: dict = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
+                      "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
+        if index is not None:
+            choice: dict = {"index": index, "delta": delta, "finish_reason": reason}
+            if shape.logprobs:
+                choice["logprobs"] = {"content": logprobs} if logprobs else None
+            body["choices"] = [choice]
+        if usage_ is not None:
+            body["usage"] = usage_
+        return f"data: {json.dumps(body)}\n\n"
+
+    def body():
+        n = (job.get("params") or {}).get("n", 1)
+        parsers = {i: StreamParser(call_scope(job, i)) for i in range(n)} if shape.tools else {}
+        for i in range(n):
+            yield chunk(i, {"role": "assistant", "content": ""})
+        for event in events:
+            if event["event"] == "token":
+                i, text = event.get("index", 0), event["text"]
+                deltas = [d.to_openai() for d in parsers[i].feed(text)] if parsers else \
+                    [{"content": text}] if text else []
+                logprobs = event.get("logprobs") if shape.logprobs else None
+                if logprobs and not deltas:   # tokens whose text is held back (a partial character or tag)
+                    deltas = [{}]
+                for k, delta in enumerate(deltas):
+                    yield chunk(i, delta, logprobs=logprobs if k == 0 else None)
+            elif event["event"] == "done":
+                for c in choices_of(event):
+                    i, reason = c["index"], finish_reason(c["finish_reason"])
+                    if parsers:
+                        for delta in parsers[i].finish():
+                            yield chunk(i, delta.to_openai())
+                        if parsers[i].calls and reason != "length":
+                            reason = "tool_calls"
+                    yield chunk(i, {}, reason)
+                if shape.include_usage:   # OpenAI's shape: a last chunk with no choices, only usage
+                    yield chunk(None, None, usage_=usage(event))
+                return True
+            else:
+                yield error_event(event)
+                return True
+
+    return streamed(job, body)
+
+
+# ---- completions ------------------------------------------------------------------------------------
+
+
+def legacy_logprobs(entries: list[dict], start: int) -> dict:
+    """Chat-shaped token entries as the legacy {tokens, token_logprobs, top_logprobs, text_offset}; the offsets
+    count from `start`. A prompt's first token has no log-probability: null, as OpenAI reports it."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = start
+    for e in entries:
+        out["tokens"].append(e["token"])
+        out["token_logprobs"].append(e["logprob"])
+        if e["logprob"] is None:
+            out["top_logprobs"].append(None)
+        else:   # the best alternatives and, always, the token itself
+            out["top_logprobs"].append({**{t["token"]: t["logprob"] for t in e["top_logprobs"]},
+                                        e["token"]: e["logprob"]})
+        out["text_offset"].append(offset)
+        offset += len(e["token"])
+    return out
+
+
+def echoed(done: dict) -> tuple[str, list[dict]]:
+    prompt = done.get("prompt") or {}
+    return prompt.get("text", ""), prompt.get("logprobs") or []
+
+
+def completion(job: dict, shape: Shape, done: dict) -> dict:
+    prompt_text, prompt_logprobs = echoed(done) if shape.echo else ("", [])
+    choices = []
+    for c in choices_of(done):
+        logprobs = None
+        if shape.logprobs:
+            logprobs = legacy_logprobs(prompt_logprobs, 0)
+            more = legacy_logprobs(c.get("logprobs") or [], len(prompt_text))
+            for key in logprobs:
+                logprobs[key] += more[key]
+        choices.append({"index": c["index"], "text": prompt_text + c["text"], "logprobs": logprobs,
+                        "finish_reason": finish_reason(c["finish_reason"])})
+    return {"id": f"cmpl-{job['request_id']}", "object": "text_completion", "created": int(job["enqueued_at"]),
+            "model": shape.model, "choices": choices, "usage": usage(done)}
+
+
+def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
+    """Each choice's text as it comes. With echo, the prompt (known to the worker only at the end, with its
+    log-probabilities) goes first, so the answer's chunks are held until the answer ends."""
+    def chunk(index: int | None, text: str, logprobs: dict | None = None, reason: str | None = None,
+              usage_: dict | None = None) -> str:
+        body: dict = {"id": f"cmpl-{job['request_id']}", "object": "text_completion",
+                      "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
+        if index is not None:
+            body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
+        if usage_ is not None:
+            body["usage"] = usage_
+        return f"data: {json.dumps(body)}\n\n"
+
+    def body():
+        offsets: dict[int, int] = {}
+        held: list[dict] = []
+        for event in events:
+            if event["event"] == "token":
+                if shape.echo:
+                    held.append(event)
+                    continue
+                yield token_chunk(event, offsets, chunk)
+            elif event["event"] == "done":
+                if shape.echo:
+                    prompt_text, prompt_logprobs = echoed(event)
+                    for c in choices_of(event):
+                        offsets[c["index"]] = len(prompt_text)
+                        yield chunk(c["index"], prompt_text,
+                                    legacy_logprobs(prompt_logprobs, 0) if shape.logprobs else None)
+                    for token in held:
+                        yield token_chunk(token, offsets, chunk)
+                for c in choices_of(event):
+                    yield chunk(c["index"], "", None, finish_reason(c["finish_reason"]))
+                if shape.include_usage:
+                    yield chunk(None, "", usage_=usage(event))
+                return True
+            else:
+                yield error_event(event)
+                return True
+
+    def token_chunk(event: dict, offsets: dict[int, int], chunk) -> str:
+        i = event.get("index", 0)
+        logprobs = None
+        if shape.logprobs:
+            logprobs = legacy_logprobs(event.get("logprobs") or [], offsets.get(i, 0))
+            offsets[i] = offsets.get(i, 0) + sum(len(t) for t in logprobs["tokens"])
+        return chunk(i, event["text"], logprobs)
+
+    return streamed(job, body)

@@ -712,7 +712,8 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     print(describe(info))
     if baseline is not None:
         print(f"llamacpp: {baseline['version']}; answers with the reference's text: "
-              f"{fmt(methods['llamacpp']['text_matches'])} of {methods['llamacpp']['requests']}; "
+              f"{fmt(methods['llamacpp']['text_matches'])} of {methods['llamacpp']['requests']}; prompts of the "
+              f"engine's token count: {baseline['prompts_of_our_length']}; "
               f"ran: {' '.join(baseline['command'])}")
     if setup.temperature > 0:
         print(f"sampled at temperature {setup.temperature}: greedy matches not counted")
@@ -741,8 +742,10 @@ def run_llamacpp(args: argparse.Namespace, setup: Setup, reference: dict[str, li
     run = llamacpp.run_baseline(binary, gguf, requests, args.slots, torch.get_num_threads(), longest)
     texts = None if reference is None else {
         rid: setup.tokenizer.decode(ids, skip_special_tokens=True) for rid, ids in reference.items()}
+    # llama.cpp applies the GGUF's chat template itself: count the prompts it saw at our length.
+    same_prompts = sum(1 for r in setup.requests if run.results[r.id].prompt_tokens == len(r.prompt_ids))
     return {"metrics": llamacpp.summarize(run, texts), "version": run.version, "command": run.command,
-            "gguf": str(gguf), "threads": torch.get_num_threads()}
+            "gguf": str(gguf), "threads": torch.get_num_threads(), "prompts_of_our_length": same_prompts}
 
 
 def sweep(args: argparse.Namespace, setup: Setup, info: dict) -> dict:

@@ -46,6 +46,7 @@ class ChatResult:
     id: str
     text: str
     completion_tokens: int
+    prompt_tokens: int
     finish_reason: str | None
     ttft_s: float | None
     e2e_s: float
@@ -84,7 +85,7 @@ def find_server(env: dict | None = None, built: Path = BUILT_SERVER) -> Path:
     if on_path:
         return Path(on_path)
     raise SystemExit(f"--baseline llamacpp: no llama-server binary (looked for ${SERVER_ENV}, {built} and "
-                     "PATH). Run `make llamacpp` to build it (a few minutes on 2 cores), or set "
+                     "PATH). Run `make llamacpp` to build it (about 40 minutes on 2 busy cores), or set "
                      f"{SERVER_ENV} to a llama-server binary.")
 
 
@@ -174,7 +175,7 @@ class Client:
             raise RuntimeError(f"request {request.id}: the stream ended without usage")
         ttft = reading.first_chunk_time - start if reading.first_chunk_time is not None else None
         return ChatResult(request.id, reading.text, int(reading.usage["completion_tokens"]),
-                          reading.finish_reason, ttft, end - start)
+                          int(reading.usage.get("prompt_tokens", -1)), reading.finish_reason, ttft, end - start)
 
     def chat_all(self, requests: Sequence[ChatRequest]) -> tuple[dict[str, ChatResult], float]:
         """Every request sent at once (a thread and connection each, opened beforehand); results and wall time."""

@@ -146,7 +146,7 @@ def test_client_sends_every_request_greedy_and_streamed_and_reads_the_answers(ch
     for i, request in enumerate(requests):
         result = results[request.id]
         assert result.text == f"{i} eerht owt"
-        assert result.completion_tokens == 3 and result.finish_reason == "length"
+        assert result.completion_tokens == 3 and result.prompt_tokens == 5 and result.finish_reason == "length"
         assert 0 <= result.ttft_s <= result.e2e_s <= wall
 
     metrics = llamacpp.summarize(llamacpp.BaselineRun(results, wall, 0.0), {"0": "0 eerht owt", "1": "other"})

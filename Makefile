@@ -65,3 +65,10 @@ bench: install
 
 clean:
 	rm -rf $(VENV)
+
+# Optional, for `python -m bench --baseline llamacpp`: llama.cpp's llama-server built from the llama.cpp sources
+# vendored in the llama-cpp-python sdist on PyPI (CPU, -march=native, no curl), into .llamacpp/ (ignored).
+# Skipped when already built; not part of `make test` or `make run`. JOBS=N for more compile jobs.
+.PHONY: llamacpp
+llamacpp: install
+	PY=$(PY) bash bench/build_llamacpp.sh

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
+from bench import llamacpp
 from worker.model_loader import load_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -47,7 +48,7 @@ DEFAULT_CB_ATTN = "sdpa"
 STEP_SAMPLINGS = ("greedy", "sampled")
 RSS_INTERVAL_S = 0.02
 COLORS = {"static": "#888888", "transformers_cb": "#4c72b0", "engine": "#dd8452", "engine_best": "#55a868",
-          "engine_dense": "#c44e52"}
+          "engine_dense": "#c44e52", "llamacpp": "#8172b3"}
 METRIC_KEYS = ("tokens_per_s", "wall_s", "e2e_p50_s", "e2e_p95_s", "ttft_p50_s", "ttft_p95_s",
                "peak_rss_mb", "peak_device_mb", "greedy_matches", "requests")
 
@@ -452,7 +453,7 @@ def format_table(rows: dict[str, dict], first_column: str = "method") -> str:
 def ratio_lines(methods: dict[str, dict]) -> list[str]:
     lines = []
     for ours in ("engine", "engine_best", "engine_dense"):
-        for base in ("static", "transformers_cb"):
+        for base in ("static", "transformers_cb", "llamacpp"):
             if ours in methods and base in methods and methods[base]["tokens_per_s"] > 0:
                 ratio = methods[ours]["tokens_per_s"] / methods[base]["tokens_per_s"]
                 lines.append(f"{ours} / {base}: {ratio:.2f}x")
@@ -588,6 +589,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "while this one's tokens are read back (default: the device's, on on CUDA, off on CPU)")
     parser.add_argument("--ablate", action="store_true",
                         help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
+    parser.add_argument("--baseline", choices=("llamacpp",), default=None,
+                        help="also run llama.cpp's llama-server (`make llamacpp`) on the same GGUF, slots and "
+                             "threads, every request at once through its OpenAI endpoint, after the other methods")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here")
     parser.add_argument("--plot", type=Path, default=None, help="write a PNG here")
     args = parser.parse_args(argv)
@@ -608,6 +612,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--nano-lengths takes LOW,HIGH with LOW <= HIGH, e.g. 100,1024")
     if args.workload != NANO and (args.requests or args.nano_lengths):
         parser.error(f"--requests and --nano-lengths apply to --workload {NANO}; use --limit for a workload file")
+    if args.baseline and (args.workload == NANO or args.random_weights or args.sweep_slots or args.step_profile
+                          or args.mixed_profile):
+        parser.error("--baseline llamacpp runs a chat workload file on the model's GGUF: it does not take "
+                     f"--workload {NANO}, --random-weights, --sweep-slots, --step-profile or --mixed-profile")
     if sum(1 for mode in (args.sweep_slots, args.step_profile, args.mixed_profile) if mode) > 1:
         parser.error("--sweep-slots, --step-profile and --mixed-profile are separate runs; give one")
     for name in ("slots", "budget", "best_slots", "best_budget", "limit", "requests", "profile_steps", "mixed_profile"):
@@ -690,12 +698,23 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
         plans["engine_dense"] = lambda: run_engine(setup, args.slots, setup.budget, name="engine_dense", pack=False)
     runs = {name: plan() for name, plan in plans.items() if name not in args.skip}
     methods = {name: summarize(run, setup.requests, setup.stop_ids, reference) for name, run in runs.items()}
+    baseline = run_llamacpp(args, setup, reference) if args.baseline else None
+    if baseline is not None:
+        methods["llamacpp"] = baseline.pop("metrics")
+        for name, run in runs.items():   # the p90s of llama.cpp's row, for the latency ratios
+            methods[name].update(llamacpp.p90s([c.e2e_s for c in run.completions.values()],
+                                               [c.ttft_s for c in run.completions.values()]))
     print()
     print(format_table(methods))
     print()
-    for line in ratio_lines(methods):
+    for line in ratio_lines(methods) + llamacpp.comparison_lines(methods):
         print(line)
     print(describe(info))
+    if baseline is not None:
+        print(f"llamacpp: {baseline['version']}; answers with the reference's text: "
+              f"{fmt(methods['llamacpp']['text_matches'])} of {methods['llamacpp']['requests']}; prompts of the "
+              f"engine's token count: {baseline['prompts_of_our_length']}; "
+              f"ran: {' '.join(baseline['command'])}")
     if setup.temperature > 0:
         print(f"sampled at temperature {setup.temperature}: greedy matches not counted")
     if "transformers_cb" in runs:
@@ -707,7 +726,26 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     result = {**info, "methods": methods}
     if cb_ran:
         result["transformers_cb"] = cb_ran
+    if baseline is not None:
+        result["llamacpp"] = baseline
     return result
+
+
+def run_llamacpp(args: argparse.Namespace, setup: Setup, reference: dict[str, list[int]] | None) -> dict:
+    """llama.cpp's server on the same GGUF, slots, threads and requests; its metrics and how it ran."""
+    binary, gguf = llamacpp.find_server(), llamacpp.baseline_gguf(args.model)
+    workload = json.loads(resolve_workload(args.workload).read_text())
+    requests = llamacpp.chat_requests(workload, args.limit)
+    longest = max(len(r.prompt_ids) + r.cap for r in setup.requests)
+    print(f"llamacpp: {binary} on {gguf.name}, {args.slots} slots, {torch.get_num_threads()} threads",
+          file=sys.stderr, flush=True)
+    run = llamacpp.run_baseline(binary, gguf, requests, args.slots, torch.get_num_threads(), longest)
+    texts = None if reference is None else {
+        rid: setup.tokenizer.decode(ids, skip_special_tokens=True) for rid, ids in reference.items()}
+    # llama.cpp applies the GGUF's chat template itself: count the prompts it saw at our length.
+    same_prompts = sum(1 for r in setup.requests if run.results[r.id].prompt_tokens == len(r.prompt_ids))
+    return {"metrics": llamacpp.summarize(run, texts), "version": run.version, "command": run.command,
+            "gguf": str(gguf), "threads": torch.get_num_threads(), "prompts_of_our_length": same_prompts}
 
 
 def sweep(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
@@ -940,6 +978,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     if engine_wanted(args):
         check_engine_importable()
+    if args.baseline:   # before the model loads: a missing binary or GGUF fails at once
+        llamacpp.find_server(), llamacpp.baseline_gguf(args.model)
     setup, info = prepare(args)
     if not setup.requests:
         raise SystemExit(f"no requests in {args.workload}")

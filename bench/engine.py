@@ -468,7 +468,8 @@ def describe(info: dict) -> str:
             f"threads={torch.get_num_threads()} python={platform.python_version()} budget={info.get('budget')}"
             + (f" decode={info['decode']}" if info.get("decode") else "")
             + (f" sampler_candidates={info['sampler_candidates']}" if "sampler_candidates" in info else "")
-            + (f" overlap={info['overlap']}" if "overlap" in info else ""))
+            + (f" overlap={info['overlap']}" if "overlap" in info else "")
+            + (f" weights={info['weights']}" if "weights" in info else ""))
 
 
 def plot_methods(path: Path, methods: dict[str, dict], runs: dict[str, Run]) -> None:
@@ -543,6 +544,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="HF id, model dir or .gguf (default: env MODEL, else the bundled SmolLM2-135M)")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
+    parser.add_argument("--weights", default=None,
+                        help="weight precision, as WEIGHTS: float32, int4, int8, bfloat16 (default: env WEIGHTS, "
+                             "else the loader's default); `python -m bench.weights` compares several")
     parser.add_argument("--slots", type=int, default=16, help="batch slots N for static, transformers_cb and engine")
     parser.add_argument("--best-slots", type=int, default=None,
                         help=f"engine_best max_num_seqs (default: number of requests, at most {BEST_SLOTS_CAP})")
@@ -654,7 +658,8 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
         model, tokenizer = load_random_model(args.random_weights, device=args.device, dtype=args.dtype,
                                              tokenizer_model=args.model)
     else:
-        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+        model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype,
+                                      weights=args.weights or os.environ.get("WEIGHTS"))
     nano = args.workload == NANO
     if nano:
         requests = nano_workload(args.requests or NANO_REQUESTS, tuple(args.nano_lengths or NANO_LENGTHS))
@@ -665,6 +670,9 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos_ids)
     info = {"slots": args.slots, "device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
             "model": getattr(model, "name_or_source", args.model), "workload": Path(args.workload).name}
+    if getattr(model, "weights_report", None) is not None:
+        info["weights"] = model.weights_report.weights
+        info["weights_mb"] = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**20
     options = dict(DECODE_CHOICES[args.decode]) if args.decode else {}
     if args.sampler_candidates is not None:
         options["sampler_candidates"] = info["sampler_candidates"] = args.sampler_candidates
@@ -724,6 +732,8 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     if args.plot:
         plot_methods(args.plot, methods, runs)
     result = {**info, "methods": methods}
+    if reference is not None:
+        result["reference"] = reference
     if cb_ran:
         result["transformers_cb"] = cb_ran
     if baseline is not None:

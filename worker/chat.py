@@ -18,12 +18,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=os.environ.get("MODEL"), help="HF id, directory or .gguf file")
     parser.add_argument("--device", default=os.environ.get("DEVICE"))
     parser.add_argument("--dtype", default=os.environ.get("DTYPE"))
+    parser.add_argument("--weights", default=os.environ.get("WEIGHTS"), help="float32, int4, int8 or bfloat16")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)
 
     print("Loading the model...", flush=True)
-    engine = LLMEngine.launch(lambda: LLMEngine(*load_model(args.model, args.device, args.dtype),
+    engine = LLMEngine.launch(lambda: LLMEngine(*load_model(args.model, args.device, args.dtype, weights=args.weights),
                                                 EngineConfig(max_num_seqs=4)))
     history = [{"role": "system", "content": os.environ.get("SYSTEM_PROMPT", DEFAULT_SYSTEM_PROMPT)}]
     print("Ask the shop's assistant anything (Ctrl-D to quit).")

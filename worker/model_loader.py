@@ -144,14 +144,32 @@ def load_tokenizer(model: str | None = None):
         raise ModelLoadError(_hint(source, exc)) from exc
 
 
+def pick_weights(device: torch.device, weights: str | None = None) -> str:
+    """The WEIGHTS setting: float32 (dense weights in the model's dtype), int4, int8 or bfloat16 (weight-only,
+    CPU). Unset: float32 everywhere."""
+    from worker.engine.quant_linear import check_choice
+
+    if not weights:
+        return "float32"
+    try:
+        return check_choice(weights.strip().lower())
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 def load_model(model: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
-               attn_implementation: str = "sdpa"):
-    """Load (model, tokenizer) on the chosen device and dtype, in eval mode."""
+               attn_implementation: str = "sdpa", weights: str | None = None):
+    """Load (model, tokenizer) on the chosen device and dtype, in eval mode, its linears swapped for `weights`
+    (see pick_weights); `model.weights_report` says what was swapped."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_source(model)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
+    precision = pick_weights(dev, weights)
+    if precision != "float32" and dev.type != "cpu":
+        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 weight-only kernels "
+                             f"are CPU kernels); on {dev.type} unset WEIGHTS and pick DTYPE instead.")
     try:
         path = local_dir_for(source)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -160,7 +178,52 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
         raise ModelLoadError(_hint(source, exc)) from exc
     llm.to(dev).eval()
     llm.name_or_source = source.name
+    llm.weights_report = quantize(llm, precision, source)
     return llm, tokenizer
+
+
+def quantize(llm, precision: str, source: ModelSource):
+    """Swap the linears for `precision`; int4 from a GGUF takes the file's own Q4_1 blocks where it has them."""
+    from worker.engine.quant_linear import quantize_model
+
+    blocks = gguf_int4(source, llm) if precision == "int4" and source.gguf_file else None
+    report = quantize_model(llm, precision, blocks)
+    if precision != "float32":
+        # The weights were read from a mapped file; the ones kept get memory of their own, so that the mapping,
+        # and the pages of every weight the swap replaced, go.
+        import gc
+
+        with torch.no_grad():
+            for tensor in llm.parameters():
+                tensor.data = tensor.data.clone()
+        gc.collect()
+        _trim_heap()
+    return report
+
+
+def _trim_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc keeps them otherwise): the swap frees hundreds of MB."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def gguf_int4(source: ModelSource, llm) -> dict:
+    """The GGUF's Q4_1 blocks by parameter name, read once and kept beside the de-quantised weights."""
+    from safetensors.torch import load_file, save_file
+
+    from worker.gguf_blocks import Q4_1Blocks, read_q4_1
+
+    path = Path(local_dir_for(source)) / "q4_1_blocks.v1.safetensors"
+    if not path.is_file():
+        rows = read_q4_1(Path(source.path) / source.gguf_file, llm)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        save_file(rows, str(tmp))
+        tmp.replace(path)
+    return Q4_1Blocks(load_file(str(path)))
 
 
 def _hint(source: ModelSource, exc: Exception) -> str:

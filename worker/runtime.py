@@ -89,7 +89,8 @@ class WorkerRuntime:
             self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs or default_slots("cpu"))
         else:
             # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).
-            self.engine = LLMEngine.launch(lambda: LLMEngine(*load_model(s.model, s.device, s.dtype), config))
+            self.engine = LLMEngine.launch(
+                lambda: LLMEngine(*load_model(s.model, s.device, s.dtype, weights=s.weights), config))
         self.model_name = getattr(self.engine.runner.model, "name_or_source", s.model or "default")
         self.redis = redis_client(s.redis_url)
         self.metrics = WorkerMetrics(s.name, self.model_name)
@@ -117,6 +118,9 @@ class WorkerRuntime:
                 f"{(size['kv_bytes'] or 0) / 2**30:.2f} GiB) sized by {size['kv_sizing']}")
         if runner is not None:
             line += "; " + runner.describe_steps()
+            report = getattr(runner.model, "weights_report", None)
+            if report is not None:
+                line += "; " + report.describe()
         return line
 
     # ---- outputs ----------------------------------------------------------------------------

@@ -34,16 +34,21 @@ class PackedLinear(nn.Module):
         self.bias = None if dense.bias is None else dense.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        pad = -rows % ROW_BUCKET
-        if pad == 0 or rows < ROW_BUCKET:
-            return self._run(x)
-        flat = x.reshape(rows, x.shape[-1])
-        out = self._run(torch.cat([flat, flat.new_zeros(pad, flat.shape[1])]))[:rows]
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return bucket_rows(x, self.out_features, self._run)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def bucket_rows(x: torch.Tensor, out_features: int, run) -> torch.Tensor:
+    """run(x), with inputs of more than ROW_BUCKET rows padded to a multiple of it."""
+    rows = x.numel() // x.shape[-1]
+    pad = -rows % ROW_BUCKET
+    if pad == 0 or rows < ROW_BUCKET:
+        return run(x)
+    flat = x.reshape(rows, x.shape[-1])
+    out = run(torch.cat([flat, flat.new_zeros(pad, flat.shape[1])]))[:rows]
+    return out.reshape(*x.shape[:-1], out_features)
 
 
 def supported(model: nn.Module) -> bool:

@@ -1,0 +1,246 @@
+"""Weight-only low-precision linears for the CPU (int4, int8, bfloat16) on torch's own kernels, swapped in for nn.Linear.
+
+int4 is group-32 asymmetric (w = (code - 8) * scale + zero) through `_weight_int4pack_mm_for_cpu`, int8 is
+per-output-channel symmetric through `_weight_int8pack_mm`, bfloat16 is a oneDNN prepacked bf16 matmul. torch's
+int4 and int8 CPU kernels are vectorised for bfloat16 activations only (float32 ones take a scalar path hundreds
+of times slower), so these layers round their input to bfloat16, keep bf16 scales, accumulate in float32 and hand
+back the caller's dtype: the rest of the model (norms, attention, residuals, the KV cache) stays as it was. Each
+kernel computes every row on its own, so a row's result does not depend on how many rows share the call (tested),
+and greedy answers from the engine equal `generate` on the same swapped model.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from .packed_linear import PACK_ROWS_HINT, bucket_rows
+
+log = logging.getLogger(__name__)
+
+WEIGHT_CHOICES = ("float32", "int4", "int8", "bfloat16")
+GROUP = 32                 # int4 group and int8 embedding group: along the input dimension
+INT4_N_MULTIPLE = 16       # torch's int4 packing takes output sizes that are multiples of 16
+KERNEL_DTYPE = torch.bfloat16
+
+
+@dataclass
+class Int4Weights:
+    """Group-wise 4-bit codes: w[n, k] = (codes[n, k] - 8) * scales[n, k // GROUP] + zeros[n, k // GROUP]."""
+
+    codes: torch.Tensor    # int32 [N, K], 0..15
+    scales: torch.Tensor   # float32 [N, K // GROUP]
+    zeros: torch.Tensor    # float32 [N, K // GROUP]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        groups = (self.codes.float() - 8).view(n, k // GROUP, GROUP)
+        return (groups * self.scales.unsqueeze(-1) + self.zeros.unsqueeze(-1)).view(n, k)
+
+    def rounded(self) -> Int4Weights:
+        """The scales and zeros the kernel holds (bfloat16), back in float32."""
+        return Int4Weights(self.codes, self.scales.to(KERNEL_DTYPE).float(), self.zeros.to(KERNEL_DTYPE).float())
+
+
+def int4_from_float(weight: torch.Tensor) -> Int4Weights:
+    """Asymmetric group-32 quantisation: each group's minimum and maximum map to codes 0 and 15."""
+    n, k = weight.shape
+    w = weight.detach().float().view(n, k // GROUP, GROUP)
+    low, high = w.amin(-1), w.amax(-1)
+    scales = ((high - low) / 15).clamp_min(torch.finfo(torch.float32).tiny)
+    zeros = low + 8 * scales
+    # Codes are chosen against the scale and zero the kernel will really hold.
+    s, z = scales.to(KERNEL_DTYPE).float(), zeros.to(KERNEL_DTYPE).float()
+    codes = torch.round((w - z.unsqueeze(-1)) / s.unsqueeze(-1) + 8).clamp_(0, 15).to(torch.int32)
+    return Int4Weights(codes.view(n, k), scales, zeros)
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    return linear.in_features % GROUP == 0 and linear.out_features % INT4_N_MULTIPLE == 0
+
+
+class Int4Linear(nn.Module):
+    def __init__(self, weights: Int4Weights, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weights.codes.shape
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes, 1))
+        self.register_buffer("scales_and_zeros", torch.stack([weights.scales.t(), weights.zeros.t()], -1)
+                             .to(KERNEL_DTYPE).contiguous())   # [K // GROUP, N, 2]
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+        return _finish(out, self.bias, x)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weights this layer multiplies by, unpacked through the kernel itself."""
+        eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).t().float()
+
+
+class Int8Linear(nn.Module):
+    """Per-output-channel symmetric int8: w[n, k] = weight[n, k] * scales[n]."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        w = weight.detach().float()
+        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
+        self.register_buffer("weight", torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        return _finish(torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales), self.bias, x)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.weight.float() * self.scales.float()[:, None]
+
+
+class BF16Linear(nn.Module):
+    """bfloat16 weights prepacked for oneDNN; rows bucketed as PackedLinear does."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        with torch.no_grad():
+            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
+                weight.detach().to(KERNEL_DTYPE).contiguous(), PACK_ROWS_HINT))
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = bucket_rows(x.to(KERNEL_DTYPE), self.out_features, self._run)
+        return _finish(out, self.bias, x)
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+    def dequantized(self) -> torch.Tensor:
+        return self._run(torch.eye(self.in_features, dtype=KERNEL_DTYPE)).t().float()
+
+
+class Int8Embedding(nn.Module):
+    """Embedding rows as group-32 symmetric int8 codes with float32 scales, de-quantised as they are looked up.
+
+    A GGUF Q8_0 table (block 32, one scale per block, the block's largest code +-127) comes out exactly as the
+    float32 table transformers de-quantised from it."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        rows, dim = weight.shape
+        w = weight.detach().float().view(rows, dim // GROUP, GROUP)
+        scales = w.abs().amax(-1) / 127
+        codes = torch.where(scales.unsqueeze(-1) > 0, w / scales.clamp_min(torch.finfo(torch.float32).tiny)
+                            .unsqueeze(-1), torch.zeros(()))
+        self.register_buffer("codes", torch.round(codes).clamp_(-127, 127).to(torch.int8).view(rows, dim))
+        self.register_buffer("scales", scales)
+        self.num_embeddings, self.embedding_dim = rows, dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        codes = self.codes[ids].float().view(*ids.shape, self.embedding_dim // GROUP, GROUP)
+        return (codes * self.scales[ids].unsqueeze(-1)).view(*ids.shape, self.embedding_dim)
+
+    def dequantized(self) -> torch.Tensor:
+        return self.forward(torch.arange(self.num_embeddings))
+
+
+def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    out = out.to(x.dtype)
+    if bias is not None:
+        out = out + bias.to(x.dtype)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+@dataclass
+class QuantReport:
+    """What a swap did: the precision, layers per kind, and the tensors taken as they were stored (GGUF blocks)."""
+
+    weights: str
+    layers: dict[str, int] = field(default_factory=dict)
+    from_gguf: int = 0           # int4 layers built from the GGUF's own 4-bit blocks
+    requantized: int = 0         # layers quantised from float weights
+    kept_float: list[str] = field(default_factory=list)   # linears the kernel's shape rules left dense
+    embedding: str = "float32"
+
+    def describe(self) -> str:
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layers.items()))
+        line = f"weights {self.weights}: {kinds or 'no layers swapped'}"
+        if self.weights == "int4":
+            line += f" ({self.from_gguf} from the GGUF's 4-bit blocks, {self.requantized} quantised from float)"
+        if self.kept_float:
+            line += f"; {len(self.kept_float)} kept dense"
+        return line + f"; embedding {self.embedding}"
+
+
+def check_choice(weights: str) -> str:
+    if weights not in WEIGHT_CHOICES:
+        raise ValueError(f"WEIGHTS={weights!r} is not a weight precision; choose one of "
+                         f"{', '.join(WEIGHT_CHOICES)}, or unset it for the default.")
+    return weights
+
+
+def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int4Weights] | None = None,
+                   head: str | None = None) -> QuantReport:
+    """Swap the model's nn.Linear layers (lm_head included) for `weights`-precision ones, and a tied or large
+    input embedding for an int8 one (int4, int8) or leave it (bfloat16). `int4_source`: qualified weight name ->
+    codes to use as they are (a GGUF's blocks) instead of quantising the float weight. `head`: the lm_head's
+    precision when it differs from the rest."""
+    check_choice(weights)
+    report = QuantReport(weights)
+    if weights == "float32":
+        return report
+    param = next(model.parameters())
+    if param.device.type != "cpu":
+        raise ValueError(f"WEIGHTS={weights} runs on the CPU only (torch's int4/int8 weight kernels are CPU "
+                         f"kernels here); the model is on {param.device.type}. Use WEIGHTS=float32 and DTYPE there.")
+    int4_source = int4_source or {}
+    head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(parent, name, child, f"{prefix}.{name}".lstrip(".")) for prefix, parent in model.named_modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    with torch.no_grad():
+        if weights in ("int4", "int8"):
+            embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+            if type(embed) is nn.Embedding and embed.embedding_dim % GROUP == 0:
+                _replace(model, embed, Int8Embedding(embed.weight))
+                report.embedding = "int8 (group 32)"
+        for parent, name, child, qualified in targets:
+            kind = head if (head and child is head_module) else weights
+            module = _quantized(child, kind, int4_source.get(qualified + ".weight"), report)
+            if module is None:
+                report.kept_float.append(qualified)
+                continue
+            setattr(parent, name, module)
+            report.layers[kind] = report.layers.get(kind, 0) + 1
+    log.info("%s", report.describe())
+    return report
+
+
+def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report: QuantReport) -> nn.Module | None:
+    if kind == "int4":
+        if not int4_fits(linear):
+            return None
+        if stored is not None and torch.equal(stored.dequantize(), linear.weight.float()):
+            report.from_gguf += 1
+            return Int4Linear(stored, linear.bias)
+        if stored is not None:
+            log.warning("GGUF blocks do not reproduce a %s weight; quantising it from float",
+                        tuple(linear.weight.shape))
+        report.requantized += 1
+        return Int4Linear(int4_from_float(linear.weight), linear.bias)
+    report.requantized += 1
+    if kind == "int8":
+        return Int8Linear(linear.weight, linear.bias)
+    return BF16Linear(linear.weight, linear.bias)
+
+
+def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)

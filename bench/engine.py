@@ -734,6 +734,9 @@ def compare(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     result = {**info, "methods": methods}
     if reference is not None:
         result["reference"] = reference
+    if "engine" in runs:
+        result["engine_outputs"] = {rid: cut(c.ids, c_cap, setup.stop_ids) for rid, c, c_cap in
+                                    ((r.id, runs["engine"].completions[r.id], r.cap) for r in setup.requests)}
     if cb_ran:
         result["transformers_cb"] = cb_ran
     if baseline is not None:

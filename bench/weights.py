@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 
-from bench.engine import load_workload, resolve_workload
+from bench.engine import cut, eos_ids_of, load_workload, resolve_workload
 from worker.model_loader import load_model
 
 CHOICES = ("float32", "int4", "int8", "bfloat16")
@@ -25,7 +27,7 @@ CHOICES = ("float32", "int4", "int8", "bfloat16")
 
 def run_precision(weights: str, args: argparse.Namespace, out: Path) -> dict:
     command = [sys.executable, "-m", "bench", "--weights", weights, "--slots", str(args.slots), "--skip",
-               "static,transformers_cb,engine_best", "--workload", args.workload, "--json", str(out)]
+               "static,transformers_cb,engine_best,reference", "--workload", args.workload, "--json", str(out)]
     if args.model:
         command += ["--model", args.model]
     if args.limit:
@@ -50,6 +52,34 @@ def score(model, prompts: dict[str, list[int]], answers: dict[str, list[int]]) -
     return total / max(count, 1)
 
 
+@torch.inference_mode()
+def generate_alone(model, prompt: list[int], cap: int, tokenizer) -> list[int]:
+    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                         max_new_tokens=cap, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    return cut(out[0, len(prompt):].tolist(), cap, eos_ids_of(model, tokenizer))
+
+
+@torch.inference_mode()
+def interleaved_forward(wanted: list[str], model_name: str | None, rows: int, rounds: int) -> dict[str, float]:
+    """Median ms of one forward pass of `rows` tokens (every linear, the lm_head included, at `rows` rows, as in a
+    decode step of that many sequences), the precisions taking turns round after round in one process, so a
+    machine whose load changes affects them alike. float32 runs on the engine's packed linears."""
+    from worker.engine.packed_linear import pack_linears
+
+    models = {}
+    for weights in wanted:
+        models[weights] = load_model(model_name, device="cpu", weights=weights)[0]
+        pack_linears(models[weights])
+    ids = torch.randint(0, 10000, (1, rows), generator=torch.Generator().manual_seed(0))
+    times: dict[str, list[float]] = {w: [] for w in wanted}
+    for _ in range(rounds):
+        for weights, model in models.items():
+            start = time.perf_counter()
+            model(input_ids=ids, logits_to_keep=rows)
+            times[weights].append((time.perf_counter() - start) * 1000)
+    return {w: statistics.median(t[1:]) for w, t in times.items()}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--weights", default=",".join(CHOICES), help="comma-separated precisions, float32 first")
@@ -58,27 +88,44 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--model", default=None)
     parser.add_argument("--limit", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--agree", type=int, default=3,
+                        help="requests checked against per-prompt generate at each precision")
+    parser.add_argument("--forward-rounds", type=int, default=0,
+                        help="only time forward passes of --slots rows, the precisions taking turns this many rounds")
+    parser.add_argument("--keep", type=Path, default=None, help="a folder for each precision's own bench JSON")
     args = parser.parse_args(argv)
     wanted = [w.strip() for w in args.weights.split(",") if w.strip()]
     if not wanted or wanted[0] != "float32" or any(w not in CHOICES for w in wanted):
         parser.error(f"--weights takes float32 first, then any of {', '.join(CHOICES[1:])}")
+    if args.forward_rounds:
+        medians = interleaved_forward(wanted, args.model, args.slots, args.forward_rounds)
+        for weights, ms in medians.items():
+            print(f"{weights:<9} forward of {args.slots} rows: median {ms:.1f} ms, "
+                  f"{medians['float32'] / ms:.2f}x float32's speed")
+        print(f"rounds={args.forward_rounds} torch={torch.__version__} threads={torch.get_num_threads()}")
+        return medians
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for weights in wanted:
-            runs[weights] = run_precision(weights, args, Path(tmp) / f"{weights}.json")
+            runs[weights] = run_precision(weights, args, Path(args.keep or tmp) / f"{weights}.json")
     _, tokenizer = load_model(args.model, device="cpu")
     prompts = {r.id: r.prompt_ids for r in load_workload(resolve_workload(args.workload), tokenizer, args.limit)}
-    base = runs["float32"]["reference"]
+    caps = {r.id: r.cap for r in load_workload(resolve_workload(args.workload), tokenizer, args.limit)}
+    base = runs["float32"]["engine_outputs"]
+    # Greedy agreement with per-prompt generate on the same precision, on the requests with the shortest caps
+    # (generate alone costs a request's full decode: the whole workload's would dominate the run).
+    sample = sorted(caps, key=caps.get)[:args.agree]
     rows = {}
     for weights in wanted:
         model, _ = load_model(args.model, device="cpu", weights=weights)
         engine = runs[weights]["methods"]["engine"]
-        own = runs[weights]["reference"]
+        own = runs[weights]["engine_outputs"]
         same = sum(1 for rid in base if own.get(rid) == base[rid])
+        matches = sum(1 for rid in sample if generate_alone(model, prompts[rid], caps[rid], tokenizer) == own[rid])
         rows[weights] = {
             "tokens_per_s": engine["tokens_per_s"],
             "vs_float32": engine["tokens_per_s"] / runs["float32"]["methods"]["engine"]["tokens_per_s"],
-            "greedy_matches": f"{engine['greedy_matches']}/{engine['requests']}",
+            "equal_to_generate": f"{matches}/{len(sample)}",
             "peak_rss_mb": engine["peak_rss_mb"],
             "weights_mb": runs[weights].get("weights_mb"),
             "loglik_of_float32_answers": score(model, prompts, base),

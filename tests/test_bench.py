@@ -34,7 +34,9 @@ def test_bench_writes_full_schema_and_plot(tiny_dir, tmp_path):
 
     data = json.loads(out_json.read_text())
     assert data == json.loads(json.dumps(result))
-    assert set(data) == {"slots", "budget", "device", "dtype", "model", "workload", "methods", "transformers_cb"}
+    assert set(data) == {"slots", "budget", "device", "dtype", "model", "workload", "methods", "transformers_cb",
+                         "weights", "weights_mb", "reference", "engine_outputs"}
+    assert data["weights"] == "float32" and set(data["engine_outputs"]) == set(data["reference"])
     assert data["slots"] == 2 and data["device"] == "cpu" and data["dtype"] == "float32"
     assert data["budget"] == 512 and data["transformers_cb"]["max_batch_tokens"] == 512   # the CPU default, both
     assert data["workload"] == "workload.json"

@@ -169,6 +169,8 @@ class QuantReport:
     embedding: str = "float32"
 
     def describe(self) -> str:
+        if self.weights == "float32":
+            return "weights float32"
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layers.items()))
         line = f"weights {self.weights}: {kinds or 'no layers swapped'}"
         if self.weights == "int4":

@@ -105,7 +105,11 @@ def test_default_gguf_blocks_are_exactly_the_float_weights_transformers_loads(re
     from worker.model_loader import gguf_int4, resolve_source
 
     model, _ = real_model
-    params = dict(model.named_parameters())
+    params = {}   # every linear's dense weight, also where an engine swapped it for a packed one
+    for module_name, module in model.named_modules():
+        dense = module if isinstance(module, torch.nn.Linear) else getattr(module, "dense", None)
+        if isinstance(dense, torch.nn.Linear):
+            params[module_name + ".weight"] = dense.weight.detach()
     blocks = gguf_int4(resolve_source(None), model)   # read from the file once, then kept beside the model
     assert len(blocks) == 7 * model.config.num_hidden_layers
     for name in blocks:

@@ -63,7 +63,8 @@ def read_q4_1(gguf: str | Path, model) -> dict[str, torch.Tensor]:
     name_map = get_tensor_name_map(arch_id, model.config.num_hidden_layers)
     names = {}
     for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
+        # A linear already swapped for a packed one (an engine ran on this model) keeps its dense original.
+        if isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "dense", None), torch.nn.Linear):
             gguf_name = name_map.get_name(module_name) or name_map.get_name(module_name.partition(".")[2])
             if gguf_name:
                 names[gguf_name + ".weight"] = module_name + ".weight"

@@ -217,9 +217,11 @@ def gguf_int4(source: ModelSource, llm) -> dict:
 
     from worker.gguf_blocks import Q4_1Blocks, read_q4_1
 
-    path = Path(local_dir_for(source)) / "q4_1_blocks.v1.safetensors"
+    path = Path(local_dir_for(source)) / "q4_1_blocks.v2.safetensors"
     if not path.is_file():
         rows = read_q4_1(Path(source.path) / source.gguf_file, llm)
+        if not rows:   # nothing to keep: a later load reads the file again rather than a cache of nothing
+            return Q4_1Blocks({})
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         save_file(rows, str(tmp))
         tmp.replace(path)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.quant_linear import (GROUP, KERNEL_DTYPE, BF16Linear, Int4Linear, Int8Embedding, Int8Linear,
-                                        int4_from_float, quantize_model)
+from worker.engine.quant_linear import (GROUP, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights, Int8Embedding,
+                                        Int8Linear, int4_from_float, kernel_group, quantize_model)
 from worker.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
 
@@ -47,6 +47,33 @@ def test_a_row_gives_the_same_result_whatever_the_row_count(kind):
     full = module(x)
     for rows in (1, 2, 7, 16, 17, 64, 129):
         assert torch.equal(module(x[:rows]), full[:rows]), f"{kind}: {rows} rows differ from the same rows in 300"
+
+
+@pytest.mark.parametrize("group", [32, 64, 128, 256, 512, 1024])
+def test_int4_groups_wider_than_32_and_inputs_taken_in_another_order(group):
+    """Checkpoints group 128 inputs or all of them: the kernel takes 32 to 256 and a wider group's scale and zero
+    repeat over its parts. An input order (GPTQ's activation order) permutes the input before the kernel."""
+    torch.manual_seed(2)
+    n, k = 48, 1024
+    codes = torch.randint(0, 16, (n, k), dtype=torch.int32)
+    scales, zeros = torch.rand(n, k // group) * 0.05 + 0.001, torch.randn(n, k // group) * 0.1
+    weights = Int4Weights(codes, scales, zeros, group)
+    module = Int4Linear(weights)
+    assert module.group == min(group, 256) and module.scales_and_zeros.shape == (k // module.group, n, 2)
+    # The kernel holds bfloat16 scales and zeros and hands back bfloat16: one more rounding, 2**-9 relative.
+    torch.testing.assert_close(module.dequantized(), weights.rounded().dequantize(), rtol=2**-8, atol=1e-6)
+    order = torch.randperm(k)
+    permuted = Int4Weights(codes, scales, zeros, group, order)
+    assert torch.equal(permuted.dequantize()[:, order], weights.dequantize())
+    x = torch.randn(5, k)
+    assert torch.equal(Int4Linear(permuted)(x), module(x[:, order]))
+    assert torch.equal(Int4Linear(permuted).dequantized()[:, order], module.dequantized())
+
+
+def test_int4_group_that_is_not_a_multiple_of_32_is_refused():
+    assert [kernel_group(g) for g in (32, 96, 128, 384, 4096)] == [32, 32, 128, 128, 256]
+    with pytest.raises(ValueError, match="group size 48 is not a multiple of 32"):
+        Int4Linear(Int4Weights(torch.zeros(16, 96, dtype=torch.int32), torch.ones(16, 2), torch.zeros(16, 2), 48))
 
 
 def synthetic_q4_1(rows: int, cols: int, seed: int = 0) -> np.ndarray:

@@ -1,6 +1,7 @@
 """Weight-only low-precision linears for the CPU (int4, int8, bfloat16) on torch's own kernels, swapped in for nn.Linear.
 
-int4 is group-32 asymmetric (w = (code - 8) * scale + zero) through `_weight_int4pack_mm_for_cpu`, int8 is
+int4 is group-wise asymmetric (w = (code - 8) * scale + zero; groups of 32 when quantising here, any multiple of 32
+from a checkpoint) through `_weight_int4pack_mm_for_cpu`, int8 is
 per-output-channel symmetric through `_weight_int8pack_mm`, bfloat16 is a oneDNN prepacked bf16 matmul. torch's
 int4 and int8 CPU kernels are vectorised for bfloat16 activations only (float32 ones take a scalar path hundreds
 of times slower), so these layers round their input to bfloat16, keep bf16 scales, accumulate in float32 and hand
@@ -24,26 +25,51 @@ log = logging.getLogger(__name__)
 
 WEIGHT_CHOICES = ("float32", "int4", "int8", "bfloat16")
 GROUP = 32                 # int4 group and int8 embedding group: along the input dimension
+KERNEL_GROUPS = (256, 128, 64, 32)   # the int4 group sizes torch's CPU kernel takes
 INT4_N_MULTIPLE = 16       # torch's int4 packing takes output sizes that are multiples of 16
 KERNEL_DTYPE = torch.bfloat16
 
 
+def kernel_group(group: int) -> int:
+    """The widest group torch's int4 kernel takes that divides `group`: a wider group's scale and zero are repeated
+    over its parts, which computes the same weights."""
+    for size in KERNEL_GROUPS:
+        if group > 0 and group % size == 0:
+            return size
+    raise ValueError(f"int4 group size {group} is not a multiple of 32: torch's int4 kernel takes groups of "
+                     f"{', '.join(map(str, sorted(KERNEL_GROUPS)))} (and multiples of them, repeated).")
+
+
 @dataclass
 class Int4Weights:
-    """Group-wise 4-bit codes: w[n, k] = (codes[n, k] - 8) * scales[n, k // GROUP] + zeros[n, k // GROUP]."""
+    """Group-wise 4-bit codes: w[n, k] = (codes[n, k] - 8) * scales[n, k // group] + zeros[n, k // group].
+
+    `order`, when set, is a permutation of the inputs (a GPTQ checkpoint quantised in activation order): code
+    column j multiplies input order[j], so the layer gathers its input in that order before the kernel."""
 
     codes: torch.Tensor    # int32 [N, K], 0..15
-    scales: torch.Tensor   # float32 [N, K // GROUP]
-    zeros: torch.Tensor    # float32 [N, K // GROUP]
+    scales: torch.Tensor   # float32 [N, K // group]
+    zeros: torch.Tensor    # float32 [N, K // group]
+    group: int = GROUP
+    order: torch.Tensor | None = None   # int64 [K]
 
     def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] in the inputs' own order."""
         n, k = self.codes.shape
-        groups = (self.codes.float() - 8).view(n, k // GROUP, GROUP)
-        return (groups * self.scales.unsqueeze(-1) + self.zeros.unsqueeze(-1)).view(n, k)
+        groups = (self.codes.float() - 8).view(n, k // self.group, self.group)
+        weight = (groups * self.scales.unsqueeze(-1) + self.zeros.unsqueeze(-1)).view(n, k)
+        return weight if self.order is None else _unpermute(weight, self.order)
 
     def rounded(self) -> Int4Weights:
         """The scales and zeros the kernel holds (bfloat16), back in float32."""
-        return Int4Weights(self.codes, self.scales.to(KERNEL_DTYPE).float(), self.zeros.to(KERNEL_DTYPE).float())
+        return Int4Weights(self.codes, self.scales.to(KERNEL_DTYPE).float(), self.zeros.to(KERNEL_DTYPE).float(),
+                           self.group, self.order)
+
+
+def _unpermute(weight: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(weight)
+    out[:, order] = weight
+    return out
 
 
 def int4_from_float(weight: torch.Tensor) -> Int4Weights:
@@ -67,20 +93,29 @@ class Int4Linear(nn.Module):
     def __init__(self, weights: Int4Weights, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weights.codes.shape
+        self.group = kernel_group(weights.group)
+        repeat = weights.group // self.group
+        scales, zeros = (t.repeat_interleave(repeat, dim=1) if repeat > 1 else t
+                         for t in (weights.scales, weights.zeros))
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(weights.codes, 1))
-        self.register_buffer("scales_and_zeros", torch.stack([weights.scales.t(), weights.zeros.t()], -1)
-                             .to(KERNEL_DTYPE).contiguous())   # [K // GROUP, N, 2]
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1)
+                             .to(KERNEL_DTYPE).contiguous())   # [K // group, N, 2]
+        self.register_buffer("order", None if weights.order is None else weights.order.long().clone())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_and_zeros)
+        if self.order is not None:
+            flat = flat.index_select(1, self.order)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, self.group, self.scales_and_zeros)
         return _finish(out, self.bias, x)
 
     def dequantized(self) -> torch.Tensor:
-        """The float weights this layer multiplies by, unpacked through the kernel itself."""
+        """The float weights this layer multiplies by, unpacked through the kernel itself, in the inputs' order."""
         eye = torch.eye(self.in_features, dtype=KERNEL_DTYPE)
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, GROUP, self.scales_and_zeros).t().float()
+        weight = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, self.packed, self.group,
+                                                            self.scales_and_zeros).t().float()
+        return weight if self.order is None else _unpermute(weight, self.order)
 
 
 class Int8Linear(nn.Module):
@@ -159,7 +194,8 @@ def _finish(out: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor) -> to
 
 @dataclass
 class QuantReport:
-    """What a swap did: the precision, layers per kind, and the tensors taken as they were stored (GGUF blocks)."""
+    """What a swap did: the precision, layers per kind, and the tensors taken as they were stored (GGUF blocks,
+    a GPTQ or AWQ checkpoint's codes)."""
 
     weights: str
     layers: dict[str, int] = field(default_factory=dict)
@@ -167,14 +203,22 @@ class QuantReport:
     requantized: int = 0         # layers quantised from float weights
     kept_float: list[str] = field(default_factory=list)   # linears the kernel's shape rules left dense
     embedding: str = "float32"
+    checkpoint: str = ""         # a quantised checkpoint's format ("GPTQ", "AWQ"), when the model came from one
+    from_checkpoint: int = 0     # int4 layers built from that checkpoint's own 4-bit codes
+    dequantized: int = 0         # its 4-bit layers de-quantised to dense weights instead
 
     def describe(self) -> str:
+        stored = f" ({self.dequantized} de-quantised from the {self.checkpoint} checkpoint)" if self.dequantized else ""
         if self.weights == "float32":
-            return "weights float32"
+            return "weights float32" + stored
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.layers.items()))
         line = f"weights {self.weights}: {kinds or 'no layers swapped'}"
-        if self.weights == "int4":
+        if self.weights == "int4" and self.checkpoint:
+            line += (f" ({self.from_checkpoint} from the {self.checkpoint} checkpoint's 4-bit codes, "
+                     f"{self.requantized} quantised from float)")
+        elif self.weights == "int4":
             line += f" ({self.from_gguf} from the GGUF's 4-bit blocks, {self.requantized} quantised from float)"
+        line += stored
         if self.kept_float:
             line += f"; {len(self.kept_float)} kept dense"
         return line + f"; embedding {self.embedding}"

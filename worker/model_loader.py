@@ -11,8 +11,12 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from worker.gptq_awq import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +190,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
     return llm, tokenizer
 
 
-def quantized_spec(source: ModelSource):
+def quantized_spec(source: ModelSource) -> QuantSpec | None:
     """The GPTQ/AWQ settings of a local model directory's config.json, None for an unquantised model (or one
     that is not a local directory); ModelLoadError for a quantisation this loader does not read."""
     from worker.gptq_awq import CheckpointError, quant_spec
@@ -202,8 +206,8 @@ def quantized_spec(source: ModelSource):
         raise ModelLoadError(f"MODEL={source.path!r}: {exc}") from None
 
 
-def load_quantized_dir(source: ModelSource, spec, dev: torch.device, dt: torch.dtype, attn_implementation: str,
-                       weights: str | None):
+def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, dt: torch.dtype,
+                       attn_implementation: str, weights: str | None):
     """A GPTQ or AWQ 4-bit directory. On the CPU with WEIGHTS unset its quantised linears run on the int4 kernel
     from the checkpoint's own codes and everything else stays as stored; WEIGHTS=int4 also quantises the rest (the
     lm_head, the embedding) as for any model; float32 de-quantises to dense `dt` weights, and int8 and bfloat16

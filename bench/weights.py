@@ -1,7 +1,8 @@
 """`python -m bench.weights`: the engine at each weight precision in one run, with the quality each costs.
 
 Each precision runs `python -m bench --weights W` in a process of its own (its memory is its own): engine
-tokens/s at --slots, greedy agreement with per-prompt `generate` on the same precision, the process's peak RSS
+tokens/s at --slots, greedy agreement with per-prompt `generate` on the same precision and with the same request
+alone in a one-slot engine (batch invariance), the process's peak RSS
 and the bytes its weights take. Then every precision's model scores the float32 model's greedy answers (mean
 log-likelihood per answer token) and its own answers are compared with float32's.
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from bench.engine import cut, eos_ids_of, load_workload, resolve_workload
+from bench.engine import ENGINE_BLOCK_SIZE, cut, eos_ids_of, load_workload, resolve_workload
 from worker.model_loader import load_model
 
 CHOICES = ("float32", "int4", "int8", "bfloat16")
@@ -57,6 +58,22 @@ def generate_alone(model, prompt: list[int], cap: int, tokenizer) -> list[int]:
     out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                          max_new_tokens=cap, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     return cut(out[0, len(prompt):].tolist(), cap, eos_ids_of(model, tokenizer))
+
+
+@torch.inference_mode()
+def engine_alone(model, tokenizer, prompt: list[int], cap: int) -> list[int]:
+    """The engine's greedy answer with the request alone in a one-slot engine, configured as the bench's."""
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=1, block_size=ENGINE_BLOCK_SIZE))
+    try:
+        engine.add_request("alone", prompt_token_ids=prompt, params=SamplingParams(temperature=0, max_new_tokens=cap))
+        answer: list[int] = []
+        while engine.has_unfinished():
+            answer = next((list(e.token_ids) for e in engine.step() if e.finished), answer)
+    finally:
+        engine.release_model()
+    return cut(answer, cap, eos_ids_of(model, tokenizer))
 
 
 @torch.inference_mode()
@@ -122,10 +139,13 @@ def main(argv: list[str] | None = None) -> dict:
         own = runs[weights]["engine_outputs"]
         same = sum(1 for rid in base if own.get(rid) == base[rid])
         matches = sum(1 for rid in sample if generate_alone(model, prompts[rid], caps[rid], tokenizer) == own[rid])
+        # Batch invariance: the same request alone in the engine gives the answer it gave among --slots others.
+        alone = sum(1 for rid in sample if engine_alone(model, tokenizer, prompts[rid], caps[rid]) == own[rid])
         rows[weights] = {
             "tokens_per_s": engine["tokens_per_s"],
             "vs_float32": engine["tokens_per_s"] / runs["float32"]["methods"]["engine"]["tokens_per_s"],
             "equal_to_generate": f"{matches}/{len(sample)}",
+            "equal_to_engine_alone": f"{alone}/{len(sample)}",
             "peak_rss_mb": engine["peak_rss_mb"],
             "weights_mb": runs[weights].get("weights_mb"),
             "loglik_of_float32_answers": score(model, prompts, base),

@@ -59,8 +59,14 @@ def dense_reference(q, spans, history, heads, kv_heads):
     return out
 
 
-@pytest.mark.parametrize("backend", [pytest.param("kernel", marks=needs_kernel), "gather", "gather-in-place", "flex"])
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)])
+SHAPES = [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)]   # heads, kv_heads, head_dim, block_size
+COMPILED = ("gather-in-place", "flex")   # FlexAttention: each shape is a compile of its own (seconds on CPU)
+
+
+@pytest.mark.parametrize("backend,heads,kv_heads,head_dim,block_size",
+                         [pytest.param("kernel", *shape, marks=needs_kernel) for shape in SHAPES]
+                         + [("gather", *shape) for shape in SHAPES]
+                         + [(b, *shape) for b in COMPILED for shape in SHAPES[:2]])
 def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size):
     """gather-in-place: the gather backend with block tables, as on CUDA: decode rows and the chunks with a
     cached prefix read the pool in place, only the chunks with nothing cached go to SDPA."""

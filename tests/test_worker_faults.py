@@ -111,7 +111,7 @@ def long_model_dir(tmp_path, tokenizer):
 
 
 def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir):
-    url = stack.web_with(MAX_NEW_TOKENS="4000")
+    url = stack.web_with(MAX_NEW_TOKENS="1500")
     stack.kill_worker()
     # A short grace, so the answers are cut off.
     worker = stack.start_worker(SHUTDOWN_GRACE_S="0.5", MODEL=str(long_model_dir))
@@ -129,7 +129,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         print(f"\nthe worker exited {time.monotonic() - stopped_at:.1f} s after SIGTERM with code {code}")
         handed_back = "back to the queue" in (stack.workdir / "worker.log").read_text()
         stack.start_worker(MODEL=str(long_model_dir))
-        streams = [events + collect(client, 300) for client, events in zip(clients, seen)]   # 4000 tokens each, on a busy machine too
+        streams = [events + collect(client, 300) for client, events in zip(clients, seen)]   # 1500 tokens each, on a busy machine too
     finally:
         for client in clients:
             client.close()

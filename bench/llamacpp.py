@@ -6,8 +6,10 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -207,12 +209,20 @@ class Client:
         return results, wall
 
 
+class ServerCrashed(RuntimeError):
+    """llama-server exited before it answered /health."""
+
+    def __init__(self, returncode: int, message: str) -> None:
+        super().__init__(message)
+        self.returncode = returncode
+
+
 def wait_healthy(port: int, process: subprocess.Popen, log_path: Path, timeout: float = HEALTH_TIMEOUT_S) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"llama-server exited with {process.returncode} before it was ready:\n"
-                               f"{tail(log_path)}")
+            raise ServerCrashed(process.returncode, f"llama-server exited with {process.returncode} before it "
+                                f"was ready:\n{tail(log_path)}")
         try:
             conn = http.client.HTTPConnection(HOST, port, timeout=2)
             conn.request("GET", "/health")
@@ -299,6 +309,21 @@ def run_baseline(binary: Path, gguf: Path, requests: Sequence[ChatRequest], slot
     command = server_command(binary, gguf, port, slots, threads, ctx, http_threads=len(requests) + 4)
     version = server_version(binary)
     client = Client(HOST, port)
+    try:
+        return timed_run(client, command, port, requests, version)
+    except ServerCrashed as crash:
+        if crash.returncode != -signal.SIGILL:
+            raise
+    # Some VMs list AMX in /proc/cpuinfo and grant the tile permission, yet fault on the first tile instruction;
+    # a -march=native build then dies in ggml's AMX kernels. Repacking is the only way weights reach them (Q4_1
+    # has no other repacked form), so without it the server runs its AVX-512 kernels.
+    print("llamacpp: llama-server died of SIGILL before it was ready (AMX listed but not usable here); "
+          "running it again with --no-repack", file=sys.stderr, flush=True)
+    return timed_run(client, [*command, "--no-repack"], port, requests, version)
+
+
+def timed_run(client: Client, command: list[str], port: int, requests: Sequence[ChatRequest],
+              version: str) -> BaselineRun:
     with running_server(command, port) as (process, _log), peak_rss_of(process.pid) as peak:
         conn = client.connect()
         try:

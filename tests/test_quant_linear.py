@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.quant_linear import (GROUP, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights, Int8Embedding,
-                                        Int8Linear, int4_from_float, kernel_group, quantize_model)
+from worker.engine.quant_linear import (GROUP, HEAD_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
+                                        Int8Embedding, Int8Linear, int4_from_float, kernel_group,
+                                        quantize_model)
 from worker.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
 
@@ -143,3 +144,18 @@ def test_default_gguf_blocks_are_exactly_the_float_weights_transformers_loads(re
         assert torch.equal(blocks[name].dequantize(), params[name].detach()), name
     table = model.get_input_embeddings().weight.detach()
     assert torch.equal(Int8Embedding(table).dequantized(), table)
+
+
+def test_a_bfloat16_head_gives_a_row_the_same_logits_in_any_batch(tiny):
+    model, _ = tiny
+    report = quantize_model(model, "int4", head="bfloat16")
+    assert isinstance(model.lm_head, BF16Linear) and model.lm_head.rows_per_call == HEAD_ROWS
+    assert report.layers == {"int4": 2 * 7, "bfloat16": 1} and report.head == "bfloat16"
+    assert "lm_head bfloat16" in report.describe()
+    # A vocabulary-wide head: oneDNN takes another blocking past HEAD_ROWS rows, which the head never sees.
+    torch.manual_seed(3)
+    head = BF16Linear(torch.randn(8192, 192) * 0.1, rows_per_call=HEAD_ROWS)
+    x = torch.randn(100, 192)
+    alone = torch.cat([head(x[i:i + 1]) for i in range(len(x))])
+    for rows in (2, 16, 32, 33, 48, 64, 100):
+        assert torch.equal(head(x[:rows]), alone[:rows]), f"{rows} rows"

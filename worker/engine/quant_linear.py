@@ -1,13 +1,15 @@
-"""Weight-only low-precision linears for the CPU (int4, int8, bfloat16) on torch's own kernels, swapped in for nn.Linear.
+"""Weight-only low-precision linears for the CPU (int4, int8, bfloat16) on torch's own kernels, swapped for nn.Linear.
 
 int4 is group-wise asymmetric (w = (code - 8) * scale + zero; groups of 32 when quantising here, any multiple of 32
-from a checkpoint) through `_weight_int4pack_mm_for_cpu`, int8 is
-per-output-channel symmetric through `_weight_int8pack_mm`, bfloat16 is a oneDNN prepacked bf16 matmul. torch's
-int4 and int8 CPU kernels are vectorised for bfloat16 activations only (float32 ones take a scalar path hundreds
-of times slower), so these layers round their input to bfloat16, keep bf16 scales, accumulate in float32 and hand
-back the caller's dtype: the rest of the model (norms, attention, residuals, the KV cache) stays as it was. Each
-kernel computes every row on its own, so a row's result does not depend on how many rows share the call (tested),
-and greedy answers from the engine equal `generate` on the same swapped model.
+from a checkpoint) through `_weight_int4pack_mm_for_cpu`, int8 is per-output-channel symmetric through
+`_weight_int8pack_mm`, bfloat16 is a oneDNN prepacked bf16 matmul. torch's int4 and int8 CPU kernels are vectorised
+for bfloat16 activations only (float32 ones take a scalar path hundreds of times slower), so these layers round
+their input to bfloat16, keep bf16 scales, accumulate in float32 and hand back the caller's dtype: the rest of the
+model (norms, attention, residuals, the KV cache) stays as it was. The int4 and int8 kernels compute every row on
+its own, so a row's result does not depend on how many rows share the call (tested), nor do the engine's greedy
+answers depend on the batch. They equal per-prompt `generate` where the attention arithmetic agrees to the bit
+(the tiny test models); on the default model the bf16 rounding of each layer's input turns the last-bit
+differences between the engine's attention and SDPA into other tokens for some prompts (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from .packed_linear import PACK_ROWS_HINT, bucket_rows
 log = logging.getLogger(__name__)
 
 WEIGHT_CHOICES = ("float32", "int4", "int8", "bfloat16")
+HEAD_ROWS = 32             # a bfloat16 lm_head runs in calls of at most this many rows (see BF16Linear)
 GROUP = 32                 # int4 group and int8 embedding group: along the input dimension
 KERNEL_GROUPS = (256, 128, 64, 32)   # the int4 group sizes torch's CPU kernel takes
 INT4_N_MULTIPLE = 16       # torch's int4 packing takes output sizes that are multiples of 16
@@ -139,18 +142,28 @@ class Int8Linear(nn.Module):
 
 
 class BF16Linear(nn.Module):
-    """bfloat16 weights prepacked for oneDNN; rows bucketed as PackedLinear does."""
+    """bfloat16 weights prepacked for oneDNN; rows bucketed as PackedLinear does, or, with `rows_per_call`, run
+    in calls of at most that many rows, unpadded (oneDNN gives a row the same result in calls of up to HEAD_ROWS
+    rows, not beyond: another blocking)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 rows_per_call: int | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
+        self.rows_per_call = rows_per_call
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
                 weight.detach().to(KERNEL_DTYPE).contiguous(), PACK_ROWS_HINT))
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = bucket_rows(x.to(KERNEL_DTYPE), self.out_features, self._run)
+        if self.rows_per_call is None:
+            out = bucket_rows(x.to(KERNEL_DTYPE), self.out_features, self._run)
+        else:
+            flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+            step = self.rows_per_call
+            out = self._run(flat) if len(flat) <= step else torch.cat(
+                [self._run(flat[i:i + step]) for i in range(0, len(flat), step)])
         return _finish(out, self.bias, x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
@@ -202,6 +215,7 @@ class QuantReport:
     from_gguf: int = 0           # int4 layers built from the GGUF's own 4-bit blocks
     requantized: int = 0         # layers quantised from float weights
     kept_float: list[str] = field(default_factory=list)   # linears the kernel's shape rules left dense
+    head: str = ""               # the lm_head's precision where it differs from `weights`
     embedding: str = "float32"
     checkpoint: str = ""         # a quantised checkpoint's format ("GPTQ", "AWQ"), when the model came from one
     from_checkpoint: int = 0     # int4 layers built from that checkpoint's own 4-bit codes
@@ -219,6 +233,8 @@ class QuantReport:
         elif self.weights == "int4":
             line += f" ({self.from_gguf} from the GGUF's 4-bit blocks, {self.requantized} quantised from float)"
         line += stored
+        if self.head:
+            line += f"; lm_head {self.head}"
         if self.kept_float:
             line += f"; {len(self.kept_float)} kept dense"
         return line + f"; embedding {self.embedding}"
@@ -236,8 +252,10 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     """Swap the model's nn.Linear layers (lm_head included) for `weights`-precision ones, and a tied or large
     input embedding for an int8 one (int4, int8) or leave it (bfloat16). `int4_source`: qualified weight name ->
     codes to use as they are (a GGUF's blocks) instead of quantising the float weight. `head`: the lm_head's
-    precision when it differs from the rest."""
+    precision where it differs from the rest (bfloat16: better logits for 56 MB more than int4 on a 49152 x 576 head).
+    """
     check_choice(weights)
+    head = check_choice(head) if head else weights
     report = QuantReport(weights)
     if weights == "float32":
         return report
@@ -256,8 +274,11 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
                 _replace(model, embed, Int8Embedding(embed.weight))
                 report.embedding = "int8 (group 32)"
         for parent, name, child, qualified in targets:
-            kind = head if (head and child is head_module) else weights
-            module = _quantized(child, kind, int4_source.get(qualified + ".weight"), report)
+            is_head = child is head_module
+            kind = head if is_head else weights
+            if is_head and kind != weights:
+                report.head = kind
+            module = _quantized(child, kind, int4_source.get(qualified + ".weight"), report, is_head)
             if module is None:
                 report.kept_float.append(qualified)
                 continue
@@ -267,7 +288,10 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     return report
 
 
-def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report: QuantReport) -> nn.Module | None:
+def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report: QuantReport,
+               is_head: bool = False) -> nn.Module | None:
+    if kind == "float32":
+        return linear
     if kind == "int4":
         if not int4_fits(linear):
             return None
@@ -279,10 +303,12 @@ def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report:
                         tuple(linear.weight.shape))
         report.requantized += 1
         return Int4Linear(int4_from_float(linear.weight), linear.bias)
-    report.requantized += 1
+    if kind == report.weights:
+        report.requantized += 1
     if kind == "int8":
         return Int8Linear(linear.weight, linear.bias)
-    return BF16Linear(linear.weight, linear.bias)
+    # The head runs once per step on every row that needs logits: kept batch-invariant (see BF16Linear).
+    return BF16Linear(linear.weight, linear.bias, HEAD_ROWS if is_head else None)
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:

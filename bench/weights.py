@@ -122,6 +122,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"rounds={args.forward_rounds} torch={torch.__version__} threads={torch.get_num_threads()}")
         return medians
     runs = {}
+    if args.keep:
+        args.keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         for weights in wanted:
             runs[weights] = run_precision(weights, args, Path(args.keep or tmp) / f"{weights}.json")

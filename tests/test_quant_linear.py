@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine.quant_linear import (GROUP, HEAD_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
+from worker.engine.quant_linear import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
                                         Int8Embedding, Int8Linear, int4_from_float, kernel_group,
                                         quantize_model)
 from worker.gguf_blocks import q4_1_to_int4
@@ -18,7 +18,7 @@ KINDS = ("int4", "int8", "bfloat16")
 def make(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Module:
     if kind == "int4":
         return Int4Linear(int4_from_float(weight), bias)
-    return Int8Linear(weight, bias) if kind == "int8" else BF16Linear(weight, bias)
+    return Int8Linear(weight, bias) if kind == "int8" else BF16Linear(weight, bias, BF16_ROWS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -43,10 +43,11 @@ def test_module_matches_its_dequantized_weights(kind):
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_row_gives_the_same_result_whatever_the_row_count(kind):
     torch.manual_seed(1)
-    module = make(kind, torch.randn(576, 192) * 0.1)
-    x = torch.randn(300, 192)
+    # The default model's width, where oneDNN's bf16 matmul takes another blocking past 32 rows.
+    module = make(kind, torch.randn(576, 576) * 0.1)
+    x = torch.randn(300, 576)
     full = module(x)
-    for rows in (1, 2, 7, 16, 17, 64, 129):
+    for rows in (1, 2, 7, 16, 17, 33, 48, 64, 129):
         assert torch.equal(module(x[:rows]), full[:rows]), f"{kind}: {rows} rows differ from the same rows in 300"
 
 
@@ -149,12 +150,12 @@ def test_default_gguf_blocks_are_exactly_the_float_weights_transformers_loads(re
 def test_a_bfloat16_head_gives_a_row_the_same_logits_in_any_batch(tiny):
     model, _ = tiny
     report = quantize_model(model, "int4", head="bfloat16")
-    assert isinstance(model.lm_head, BF16Linear) and model.lm_head.rows_per_call == HEAD_ROWS
+    assert isinstance(model.lm_head, BF16Linear) and model.lm_head.rows_per_call == BF16_ROWS
     assert report.layers == {"int4": 2 * 7, "bfloat16": 1} and report.head == "bfloat16"
     assert "lm_head bfloat16" in report.describe()
-    # A vocabulary-wide head: oneDNN takes another blocking past HEAD_ROWS rows, which the head never sees.
+    # A vocabulary-wide head: oneDNN takes another blocking past BF16_ROWS rows, which no call reaches.
     torch.manual_seed(3)
-    head = BF16Linear(torch.randn(8192, 192) * 0.1, rows_per_call=HEAD_ROWS)
+    head = BF16Linear(torch.randn(8192, 192) * 0.1, rows_per_call=BF16_ROWS)
     x = torch.randn(100, 192)
     alone = torch.cat([head(x[i:i + 1]) for i in range(len(x))])
     for rows in (2, 16, 32, 33, 48, 64, 100):

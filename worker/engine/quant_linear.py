@@ -26,7 +26,7 @@ from .packed_linear import PACK_ROWS_HINT, bucket_rows
 log = logging.getLogger(__name__)
 
 WEIGHT_CHOICES = ("float32", "int4", "int8", "bfloat16")
-HEAD_ROWS = 32             # a bfloat16 lm_head runs in calls of at most this many rows (see BF16Linear)
+BF16_ROWS = 32             # bfloat16 layers run in calls of at most this many rows (see BF16Linear)
 GROUP = 32                 # int4 group and int8 embedding group: along the input dimension
 KERNEL_GROUPS = (256, 128, 64, 32)   # the int4 group sizes torch's CPU kernel takes
 INT4_N_MULTIPLE = 16       # torch's int4 packing takes output sizes that are multiples of 16
@@ -142,9 +142,9 @@ class Int8Linear(nn.Module):
 
 
 class BF16Linear(nn.Module):
-    """bfloat16 weights prepacked for oneDNN; rows bucketed as PackedLinear does, or, with `rows_per_call`, run
-    in calls of at most that many rows, unpadded (oneDNN gives a row the same result in calls of up to HEAD_ROWS
-    rows, not beyond: another blocking)."""
+    """bfloat16 weights prepacked for oneDNN, run in calls of at most `rows_per_call` rows, unpadded: oneDNN gives
+    a row the same result in calls of up to 32 rows and not beyond (another blocking), so a request's answer would
+    otherwise depend on what shared its steps. Without `rows_per_call`, rows are bucketed as PackedLinear does."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  rows_per_call: int | None = None) -> None:
@@ -278,7 +278,7 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
             kind = head if is_head else weights
             if is_head and kind != weights:
                 report.head = kind
-            module = _quantized(child, kind, int4_source.get(qualified + ".weight"), report, is_head)
+            module = _quantized(child, kind, int4_source.get(qualified + ".weight"), report)
             if module is None:
                 report.kept_float.append(qualified)
                 continue
@@ -288,8 +288,7 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     return report
 
 
-def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report: QuantReport,
-               is_head: bool = False) -> nn.Module | None:
+def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report: QuantReport) -> nn.Module | None:
     if kind == "float32":
         return linear
     if kind == "int4":
@@ -307,8 +306,7 @@ def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report:
         report.requantized += 1
     if kind == "int8":
         return Int8Linear(linear.weight, linear.bias)
-    # The head runs once per step on every row that needs logits: kept batch-invariant (see BF16Linear).
-    return BF16Linear(linear.weight, linear.bias, HEAD_ROWS if is_head else None)
+    return BF16Linear(linear.weight, linear.bias, BF16_ROWS)   # batch-invariant (see BF16Linear)
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:

@@ -202,3 +202,39 @@ def test_llama_server_answers_two_requests_on_the_default_gguf():
         assert 0 < result.ttft_s <= result.e2e_s <= run.wall_s
     assert run.version.startswith("version") and run.peak_rss_mb > 0
     assert not psutil.pid_exists(run.pid) or psutil.Process(run.pid).status() == psutil.STATUS_ZOMBIE
+
+
+STAND_IN = '''#!{python}
+"""A stand-in llama-server: dies of SIGILL unless --no-repack is given (as a -march=native build does on a VM
+that lists AMX it cannot run), and otherwise answers as ChatStreamHandler does."""
+import importlib.util, os, signal, sys
+from http.server import ThreadingHTTPServer
+if "--version" in sys.argv:
+    print("version: 0 (stand-in)")
+    sys.exit(0)
+with open({log!r}, "a") as log:
+    log.write(" ".join(sys.argv[1:]) + "\\n")
+if "--no-repack" not in sys.argv:
+    os.kill(os.getpid(), signal.SIGILL)
+sys.path.insert(0, {root!r})
+spec = importlib.util.spec_from_file_location("llamacpp_tests", {tests!r})
+tests = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tests)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+ThreadingHTTPServer(("127.0.0.1", port), tests.ChatStreamHandler).serve_forever()
+'''
+
+
+def test_a_server_that_dies_of_sigill_runs_again_without_repacking(tmp_path):
+    import sys
+
+    log = tmp_path / "starts.log"
+    binary = tmp_path / "llama-server"
+    binary.write_text(STAND_IN.format(python=sys.executable, log=str(log), tests=__file__,
+                                      root=str(bench.REPO_ROOT)))
+    binary.chmod(0o755)
+    requests = [llamacpp.ChatRequest("a", [{"role": "user", "content": "one two"}], 2)]
+    run = llamacpp.run_baseline(binary, tmp_path / "model.gguf", requests, slots=2, threads=1, longest_tokens=64)
+    starts = log.read_text().splitlines()
+    assert len(starts) == 2 and "--no-repack" not in starts[0] and starts[1].endswith("--no-repack")
+    assert run.command[-1] == "--no-repack" and run.results["a"].text == "owt eno"

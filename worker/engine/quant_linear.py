@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .packed_linear import PACK_ROWS_HINT, bucket_rows
+from .packed_linear import PACK_ROWS_HINT
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,10 @@ class Int8Linear(nn.Module):
 class BF16Linear(nn.Module):
     """bfloat16 weights prepacked for oneDNN, run in calls of at most `rows_per_call` rows, unpadded: oneDNN gives
     a row the same result in calls of up to 32 rows and not beyond (another blocking), so a request's answer would
-    otherwise depend on what shared its steps. Without `rows_per_call`, rows are bucketed as PackedLinear does."""
+    otherwise depend on what shared its steps. Calls of at most 32 rows also bound oneDNN's per-shape state."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 rows_per_call: int | None = None) -> None:
+                 rows_per_call: int = BF16_ROWS) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.rows_per_call = rows_per_call
@@ -157,13 +157,10 @@ class BF16Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rows_per_call is None:
-            out = bucket_rows(x.to(KERNEL_DTYPE), self.out_features, self._run)
-        else:
-            flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-            step = self.rows_per_call
-            out = self._run(flat) if len(flat) <= step else torch.cat(
-                [self._run(flat[i:i + step]) for i in range(0, len(flat), step)])
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        step = self.rows_per_call
+        out = self._run(flat) if len(flat) <= step else torch.cat(
+            [self._run(flat[i:i + step]) for i in range(0, len(flat), step)])
         return _finish(out, self.bias, x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
@@ -306,7 +303,7 @@ def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report:
         report.requantized += 1
     if kind == "int8":
         return Int8Linear(linear.weight, linear.bias)
-    return BF16Linear(linear.weight, linear.bias, BF16_ROWS)   # batch-invariant (see BF16Linear)
+    return BF16Linear(linear.weight, linear.bias)
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:

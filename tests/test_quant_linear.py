@@ -41,14 +41,18 @@ def test_module_matches_its_dequantized_weights(kind):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_a_row_gives_the_same_result_whatever_the_row_count(kind):
+@pytest.mark.parametrize("width", [576, 1536])
+def test_a_row_gives_the_same_result_whatever_the_row_count(kind, width):
     torch.manual_seed(1)
-    # The default model's width, where oneDNN's bf16 matmul takes another blocking past 32 rows.
-    module = make(kind, torch.randn(576, 576) * 0.1)
-    x = torch.randn(300, 576)
+    # The default model's widths: oneDNN's bf16 matmul takes another blocking past 32 rows (Xeon) and another
+    # kernel for a single row of 1536 inputs (AMD Zen).
+    module = make(kind, torch.randn(576, width) * 0.1)
+    x = torch.randn(300, width)
     full = module(x)
-    for rows in (1, 2, 7, 16, 17, 33, 48, 64, 129):
+    for rows in (2, 7, 16, 17, 33, 48, 64, 129):
         assert torch.equal(module(x[:rows]), full[:rows]), f"{kind}: {rows} rows differ from the same rows in 300"
+    alone = torch.cat([module(x[i:i + 1]) for i in range(40)])
+    assert torch.equal(alone, full[:40]), f"{kind}: rows alone differ from the same rows in 300"
 
 
 @pytest.mark.parametrize("group", [32, 64, 128, 256, 512, 1024])

@@ -142,9 +142,10 @@ class Int8Linear(nn.Module):
 
 
 class BF16Linear(nn.Module):
-    """bfloat16 weights prepacked for oneDNN, run in calls of at most `rows_per_call` rows, unpadded: oneDNN gives
-    a row the same result in calls of up to 32 rows and not beyond (another blocking), so a request's answer would
-    otherwise depend on what shared its steps. Calls of at most 32 rows also bound oneDNN's per-shape state."""
+    """bfloat16 weights prepacked for oneDNN, run in calls of 2 to `rows_per_call` rows: oneDNN gives a row the same
+    result in calls of 2 to 32 rows, and not beyond (another blocking, on Xeons) nor alone (another kernel for 1536
+    inputs on AMD Zen), so a request's answer would otherwise depend on what shared its steps. Calls of at most 32
+    rows also bound oneDNN's per-shape state."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  rows_per_call: int = BF16_ROWS) -> None:
@@ -164,6 +165,8 @@ class BF16Linear(nn.Module):
         return _finish(out, self.bias, x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) == 1:   # oneDNN takes another kernel for one row on some CPUs (AMD Zen, 1536 inputs): pad to two
+            return self._run(torch.cat([x, x.new_zeros(1, x.shape[1])]))[:1]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
     def dequantized(self) -> torch.Tensor:

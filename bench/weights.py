@@ -23,7 +23,7 @@ import torch
 from bench.engine import ENGINE_BLOCK_SIZE, cut, eos_ids_of, load_workload, resolve_workload
 from worker.model_loader import load_model
 
-CHOICES = ("float32", "int4", "int8", "bfloat16")
+CHOICES = ("float32", "int4", "int8", "bfloat16", "w8a8")
 
 
 def run_precision(weights: str, args: argparse.Namespace, out: Path) -> dict:

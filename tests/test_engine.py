@@ -73,9 +73,9 @@ def ref_model(tiny_model_dir):
     return load_model(str(tiny_model_dir))[0]
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "bfloat16"])
+@pytest.mark.parametrize("weights", ["int4", "int8", "bfloat16", "w8a8"])
 def test_greedy_matches_generate_on_the_same_low_precision_model(tiny_model_dir, weights):
-    """Greedy answers equal per-prompt `generate` on the same weight-only quantised model, with requests arriving
+    """Greedy answers equal per-prompt `generate` on the same quantised model, with requests arriving
     mid-decode, chunked prefill and a shared prefix (the kernels give a row the same result whatever the batch)."""
     model, tok = load_model(str(tiny_model_dir), weights=weights)
     ref = load_model(str(tiny_model_dir), weights=weights)[0]

@@ -7,17 +7,28 @@ import pytest
 import torch
 
 from worker.engine.quant_linear import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
-                                        Int8Embedding, Int8Linear, int4_from_float, kernel_group,
-                                        quantize_model)
+                                        Int8Embedding, Int8Linear, Int8Matmul, W8A8Linear, int4_from_float,
+                                        kernel_group, quantize_model, quantize_rows)
 from worker.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
 
-KINDS = ("int4", "int8", "bfloat16")
+KINDS = ("int4", "int8", "bfloat16", "w8a8")
+
+
+def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
+    module = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        module.weight.copy_(weight)
+        if bias is not None:
+            module.bias.copy_(bias)
+    return module
 
 
 def make(kind: str, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Module:
     if kind == "int4":
         return Int4Linear(int4_from_float(weight), bias)
+    if kind == "w8a8":
+        return W8A8Linear.group([linear(weight, bias)])[0]
     return Int8Linear(weight, bias) if kind == "int8" else BF16Linear(weight, bias, BF16_ROWS)
 
 
@@ -29,15 +40,20 @@ def test_module_matches_its_dequantized_weights(kind):
     dequantized = module.dequantized()
     # The quantisation's own error is within its step: half a scale, rounded to what the kernel holds.
     step = {"int4": (weight.view(96, -1, GROUP).amax(-1) - weight.view(96, -1, GROUP).amin(-1)).max() / 15,
-            "int8": weight.abs().amax() / 127, "bfloat16": weight.abs().amax() / 128}[kind]
+            "int8": weight.abs().amax() / 127, "bfloat16": weight.abs().amax() / 128,
+            "w8a8": weight.abs().amax() / 127}[kind]
     assert (dequantized - weight).abs().max() <= step * 0.51
     for shape in ((1, 128), (3, 5, 128), (40, 128)):
         x = torch.randn(*shape)
-        # The kernels take bfloat16 activations and return bfloat16 results, accumulated in float32.
-        expected = x.to(KERNEL_DTYPE).float() @ dequantized.t() + bias
+        if kind == "w8a8":   # activations are quantised per row to int8, and the products summed exactly
+            codes, scales = quantize_rows(x.reshape(-1, 128))
+            expected = ((codes.float() * scales) @ dequantized.t()).reshape(*shape[:-1], 96) + bias
+        else:   # the kernels take bfloat16 activations and return bfloat16 results, accumulated in float32
+            expected = x.to(KERNEL_DTYPE).float() @ dequantized.t() + bias
         out = module(x)
         assert out.shape == (*shape[:-1], 96) and out.dtype == torch.float32
-        torch.testing.assert_close(out, expected, rtol=1e-2, atol=2e-2)
+        torch.testing.assert_close(out, expected, **({"rtol": 1e-5, "atol": 1e-5} if kind == "w8a8"
+                                                     else {"rtol": 1e-2, "atol": 2e-2}))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -125,7 +141,7 @@ def test_quantize_model_swaps_every_linear_and_the_tied_embedding(tiny):
 
 
 def test_bad_weights_name_the_setting_and_the_choices(tiny_model_dir):
-    with pytest.raises(ModelLoadError, match=r"WEIGHTS='int3'.*float32, int4, int8, bfloat16"):
+    with pytest.raises(ModelLoadError, match=r"WEIGHTS='int3'.*float32, int4, int8, bfloat16, w8a8"):
         load_model(str(tiny_model_dir), weights="int3")
     with pytest.raises(ModelLoadError, match=r"WEIGHTS=int4 runs on the CPU only"):
         load_model(str(tiny_model_dir), device="cuda", weights="int4")
@@ -164,3 +180,58 @@ def test_a_bfloat16_head_gives_a_row_the_same_logits_in_any_batch(tiny):
     alone = torch.cat([head(x[i:i + 1]) for i in range(len(x))])
     for rows in (2, 16, 32, 33, 48, 64, 100):
         assert torch.equal(head(x[:rows]), alone[:rows]), f"{rows} rows"
+
+
+def test_w8a8_activations_are_quantised_per_row_to_the_rows_own_largest_magnitude():
+    x = torch.tensor([[0.6, -1.0, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [300.0, 1.0, -2.0, 151.0]])
+    codes, scales = quantize_rows(x)
+    assert codes.dtype == torch.int8 and codes.abs().amax(1).tolist() == [127, 0, 127]
+    assert codes[0].tolist() == [76, -127, 32, 0] and codes[2].tolist() == [127, 0, -1, 64]
+    assert scales.squeeze(1).tolist() == pytest.approx([1 / 127, 0, 300 / 127])
+
+
+def test_w8a8_siblings_share_one_matmul_and_equal_each_layer_alone():
+    """q/k/v (or gate/up) read one input: one quantisation and one matmul serve them all, with the same result each
+    would get alone (per-output-channel scales do not depend on the neighbours), and nothing is kept afterwards."""
+    torch.manual_seed(4)
+    layers = [linear(torch.randn(n, 64) * 0.1, torch.randn(n) if n == 32 else None) for n in (48, 16, 32)]
+    members = W8A8Linear.group(layers)
+    alone = [W8A8Linear.group([m])[0] for m in layers]
+    matmul = members[0].matmul
+    assert all(m.matmul is matmul for m in members) and isinstance(matmul, Int8Matmul)
+    assert [name for name, _ in members[1].named_modules()] == [""]   # its buffers belong to member 0 only
+    calls = []
+    run = matmul._run
+    matmul._run = lambda x: calls.append(x) or run(x)
+    x = torch.randn(2, 5, 64)
+    outs = [m(x) for m in members]
+    assert len(calls) == 1 and matmul._result is None and matmul._input is None
+    for out, single, layer in zip(outs, alone, layers):
+        assert out.shape == (2, 5, layer.out_features)
+        assert torch.equal(out, single(x))
+    # Another input, or the same one written in place, is computed afresh.
+    y = torch.randn(2, 5, 64)
+    assert torch.equal(members[1](y), alone[1](y)) and len(calls) == 2
+    y.mul_(2)
+    assert torch.equal(members[2](y), alone[2](y)) and len(calls) == 3
+    # A member asked twice for one input before the others had theirs computes again rather than guess.
+    assert torch.equal(members[0](x), alone[0](x)) and torch.equal(members[0](x), alone[0](x)) and len(calls) == 5
+
+
+def test_quantize_model_w8a8_groups_attention_and_mlp_inputs(tiny):
+    model, tok = tiny
+    ids = torch.tensor([tok.encode("Where is my parcel?")])
+    with torch.no_grad():
+        before = model(ids).logits
+        report = quantize_model(model, "w8a8")
+        after = model(ids).logits
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert report.layers == {"w8a8": 2 * 7 + 1} and report.embedding.startswith("int8")
+    layer = model.model.layers[0]
+    attention, mlp = layer.self_attn, layer.mlp
+    assert attention.q_proj.matmul is attention.k_proj.matmul is attention.v_proj.matmul
+    assert attention.o_proj.matmul is not attention.q_proj.matmul
+    assert mlp.gate_proj.matmul is mlp.up_proj.matmul and mlp.down_proj.matmul is not mlp.up_proj.matmul
+    assert len({id(m) for m in model.modules() if isinstance(m, Int8Matmul)}) == 2 * 4 + 1
+    similarity = torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0)
+    assert similarity > 0.95, similarity

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=os.environ.get("MODEL"), help="HF id, directory or .gguf file")
     parser.add_argument("--device", default=os.environ.get("DEVICE"))
     parser.add_argument("--dtype", default=os.environ.get("DTYPE"))
-    parser.add_argument("--weights", default=os.environ.get("WEIGHTS"), help="float32, int4, int8 or bfloat16")
+    parser.add_argument("--weights", default=os.environ.get("WEIGHTS"), help="float32, int4, int8, bfloat16 or w8a8")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)

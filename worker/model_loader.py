@@ -150,7 +150,7 @@ def load_tokenizer(model: str | None = None):
 
 def pick_weights(device: torch.device, weights: str | None = None) -> str:
     """The WEIGHTS setting: float32 (dense weights in the model's dtype), int4, int8 or bfloat16 (weight-only,
-    CPU). Unset: float32 everywhere (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir)."""
+    CPU), w8a8 (int8 weights and activations, CPU). Unset: float32 everywhere (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir)."""
     from worker.engine.quant_linear import check_choice
 
     if not weights:
@@ -176,8 +176,8 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
         return load_quantized_dir(source, spec, dev, dt, attn_implementation, weights)
     precision = pick_weights(dev, weights)
     if precision != "float32" and dev.type != "cpu":
-        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 weight-only kernels "
-                             f"are CPU kernels); on {dev.type} unset WEIGHTS and pick DTYPE instead.")
+        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 kernels here are CPU "
+                             f"kernels); on {dev.type} unset WEIGHTS and pick DTYPE instead.")
     try:
         path = local_dir_for(source)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -218,8 +218,8 @@ def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, 
 
     precision = pick_weights(dev, weights) if weights else None
     if precision not in (None, "float32") and dev.type != "cpu":
-        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 weight-only kernels "
-                             f"are CPU kernels); on {dev.type} unset WEIGHTS: the {spec.label} checkpoint is then "
+        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 kernels here are CPU "
+                             f"kernels); on {dev.type} unset WEIGHTS: the {spec.label} checkpoint is then "
                              f"de-quantised to DTYPE.")
     int4 = dev.type == "cpu" and precision in (None, "int4")
     if not int4:

@@ -48,7 +48,8 @@ class WorkerSettings:
     model: str | None = field(default_factory=lambda: os.environ.get("MODEL") or None)
     device: str | None = field(default_factory=lambda: os.environ.get("DEVICE") or None)
     dtype: str | None = field(default_factory=lambda: os.environ.get("DTYPE") or None)
-    # Weight precision on CPU: float32, int4, int8 or bfloat16 (worker/engine/quant_linear.py). Unset: the default.
+    # Weight precision on CPU: float32, int4, int8, bfloat16 or w8a8 (worker/engine/quant_linear.py). Unset: the
+    # default.
     weights: str | None = field(default_factory=lambda: os.environ.get("WEIGHTS") or None)
     # Unset: 16 slots, 512 tokens per step and a 1 GiB KV pool on CPU; 256 slots, 8192 tokens per step and
     # GPU_MEMORY_UTILIZATION of the GPU on CUDA.

@@ -1,14 +1,16 @@
-"""Weight-only low-precision linears for the CPU (int4, int8, bfloat16) on torch's own kernels, swapped for nn.Linear.
+"""Low-precision linears for the CPU (int4, int8, bfloat16 weight-only; w8a8) on torch's own kernels, for nn.Linear.
 
 int4 is group-wise asymmetric (w = (code - 8) * scale + zero; groups of 32 when quantising here, any multiple of 32
 from a checkpoint) through `_weight_int4pack_mm_for_cpu`, int8 is per-output-channel symmetric through
-`_weight_int8pack_mm`, bfloat16 is a oneDNN prepacked bf16 matmul. torch's int4 and int8 CPU kernels are vectorised
-for bfloat16 activations only (float32 ones take a scalar path hundreds of times slower), so these layers round
-their input to bfloat16, keep bf16 scales, accumulate in float32 and hand back the caller's dtype: the rest of the
-model (norms, attention, residuals, the KV cache) stays as it was. The int4 and int8 kernels compute every row on
-its own, so a row's result does not depend on how many rows share the call (tested), nor do the engine's greedy
-answers depend on the batch. They equal per-prompt `generate` where the attention arithmetic agrees to the bit
-(the tiny test models); on the default model the bf16 rounding of each layer's input turns the last-bit
+`_weight_int8pack_mm`, bfloat16 is a oneDNN prepacked bf16 matmul. torch's int4 and int8 weight-only CPU kernels
+are vectorised for bfloat16 activations only (float32 ones take a scalar path hundreds of times slower), so these
+layers round their input to bfloat16, keep bf16 scales, accumulate in float32 and hand back the caller's dtype.
+w8a8 (int8 weights per output channel, int8 activations per row, quantised as they arrive) multiplies in
+`torch._int_mm`, whose int32 sums are exact; layers that read one input share one quantisation and one matmul
+(Int8Matmul). The rest of the model (norms, attention, residuals, the KV cache) stays as it was. Every kernel here
+computes a row on its own, so a row's result does not depend on how many rows share the call (tested), nor do the
+engine's greedy answers depend on the batch. They equal per-prompt `generate` where the attention arithmetic agrees
+to the bit (the tiny test models); on the default model the rounding of each layer's input turns the last-bit
 differences between the engine's attention and SDPA into other tokens for some prompts (docs/BENCHMARKS.md).
 """
 
@@ -25,7 +27,9 @@ from .packed_linear import PACK_ROWS_HINT
 
 log = logging.getLogger(__name__)
 
-WEIGHT_CHOICES = ("float32", "int4", "int8", "bfloat16")
+WEIGHT_CHOICES = ("float32", "int4", "int8", "bfloat16", "w8a8")
+# Linears of one block that read the same input: under w8a8 they share one activation quantisation and one matmul.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 BF16_ROWS = 32             # bfloat16 layers run in calls of at most this many rows (see BF16Linear)
 GROUP = 32                 # int4 group and int8 embedding group: along the input dimension
 KERNEL_GROUPS = (256, 128, 64, 32)   # the int4 group sizes torch's CPU kernel takes
@@ -173,6 +177,98 @@ class BF16Linear(nn.Module):
         return self._run(torch.eye(self.in_features, dtype=KERNEL_DTYPE)).t().float()
 
 
+def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: codes [N, K] in -127..127 and float32 scales [N], w ~ codes * scales."""
+    w = weight.detach().float()
+    scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
+    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-row int8 for activations: each row's largest magnitude maps to 127. Returns codes [M, K] and
+    float32 scales [M, 1]; a row's codes depend on that row alone."""
+    scales = x.abs().amax(-1, keepdim=True).clamp_min_(torch.finfo(torch.float32).tiny).div_(127)
+    return torch.div(x, scales).round_().to(torch.int8), scales
+
+
+class Int8Matmul(nn.Module):
+    """int8 weights times int8 activations for one or more linears that read the same input (q/k/v, gate/up):
+    their weights are concatenated, so the input is quantised once and multiplied once.
+
+    Each member (a W8A8Linear) asks for its columns of the result. The first ask for an input computes it; the
+    others reuse it while the input is the same tensor, unchanged (same object, same version where it keeps one),
+    and the result is let go once every member has taken its columns, so nothing outlives the block's forward pass.
+    """
+
+    def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
+        super().__init__()
+        codes, scales = int8_per_channel(torch.cat([w.detach().float() for w in weights]))
+        self.register_buffer("codes_t", codes.t().contiguous())   # [K, N]: torch._int_mm's right-hand layout
+        self.register_buffer("scales", scales)
+        self.register_buffer("bias", None if all(b is None for b in biases) else torch.cat(
+            [b.detach().float() if b is not None else w.new_zeros(len(w), dtype=torch.float32)
+             for w, b in zip(weights, biases)]))
+        edges = torch.tensor([0, *(len(w) for w in weights)]).cumsum(0).tolist()
+        self.columns = list(zip(edges[:-1], edges[1:]))
+        self._input: torch.Tensor | None = None
+        self._version = -1
+        self._result: torch.Tensor | None = None
+        self._pending: set[int] = set()
+
+    def forward(self, x: torch.Tensor, member: int) -> torch.Tensor:
+        version = _version(x)
+        if self._input is not x or self._version != version or member not in self._pending:
+            self._result = self._run(x)
+            self._input, self._version = x, version
+            self._pending = set(range(len(self.columns)))
+        self._pending.discard(member)
+        start, end = self.columns[member]
+        out = self._result if len(self.columns) == 1 else self._result[..., start:end]
+        if not self._pending:
+            self._input = self._result = None
+        return out
+
+    def _run(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.codes_t.shape[0]).float()
+        codes, row_scales = quantize_rows(flat)
+        # int32 sums of int8 products are exact: the only rounding is this per-element scaling.
+        out = torch._int_mm(codes, self.codes_t) * (row_scales * self.scales)
+        if self.bias is not None:
+            out += self.bias
+        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _version(x: torch.Tensor) -> int:
+    """The tensor's in-place write count; inference-mode tensors keep none (and the model writes none in place)."""
+    return -1 if x.is_inference() else x._version
+
+
+class W8A8Linear(nn.Module):
+    """One linear's columns of an Int8Matmul, which it shares with its siblings (the first of them holds it)."""
+
+    def __init__(self, matmul: Int8Matmul, member: int = 0) -> None:
+        super().__init__()
+        if member == 0:
+            self.matmul = matmul
+        else:
+            self.__dict__["matmul"] = matmul   # registered once, in member 0: its buffers are not counted again
+        self.member = member
+        start, end = matmul.columns[member]
+        self.in_features, self.out_features = matmul.codes_t.shape[0], end - start
+
+    @classmethod
+    def group(cls, linears: list[nn.Linear]) -> list[W8A8Linear]:
+        matmul = Int8Matmul([m.weight for m in linears], [m.bias for m in linears])
+        return [cls(matmul, i) for i in range(len(linears))]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.member)
+
+    def dequantized(self) -> torch.Tensor:
+        start, end = self.matmul.columns[self.member]
+        return (self.matmul.codes_t[:, start:end].t().float() * self.matmul.scales[start:end, None])
+
+
 class Int8Embedding(nn.Module):
     """Embedding rows as group-32 symmetric int8 codes with float32 scales, de-quantised as they are looked up.
 
@@ -268,12 +364,18 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     targets = [(parent, name, child, f"{prefix}.{name}".lstrip(".")) for prefix, parent in model.named_modules()
                for name, child in parent.named_children() if type(child) is nn.Linear]
     with torch.no_grad():
-        if weights in ("int4", "int8"):
+        if weights in ("int4", "int8", "w8a8"):
             embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
             if type(embed) is nn.Embedding and embed.embedding_dim % GROUP == 0:
                 _replace(model, embed, Int8Embedding(embed.weight))
                 report.embedding = "int8 (group 32)"
+        grouped = _w8a8_groups(targets, head_module) if weights == "w8a8" else {}
         for parent, name, child, qualified in targets:
+            if child in grouped:
+                setattr(parent, name, grouped[child])
+                report.requantized += 1
+                report.layers[weights] = report.layers.get(weights, 0) + 1
+                continue
             is_head = child is head_module
             kind = head if is_head else weights
             if is_head and kind != weights:
@@ -306,7 +408,26 @@ def _quantized(linear: nn.Linear, kind: str, stored: Int4Weights | None, report:
         report.requantized += 1
     if kind == "int8":
         return Int8Linear(linear.weight, linear.bias)
+    if kind == "w8a8":
+        return W8A8Linear.group([linear])[0]
     return BF16Linear(linear.weight, linear.bias)
+
+
+def _w8a8_groups(targets: list[tuple[nn.Module, str, nn.Linear, str]], head: nn.Module | None
+                 ) -> dict[nn.Linear, W8A8Linear]:
+    """Each SIBLINGS set found whole under one parent, with one input width: linear -> its member of a shared
+    Int8Matmul. (A wrong guess would only cost speed: a member called with another input recomputes.)"""
+    children: dict[nn.Module, dict[str, nn.Linear]] = {}
+    for parent, name, child, _ in targets:
+        if child is not head:
+            children.setdefault(parent, {})[name] = child
+    grouped: dict[nn.Linear, W8A8Linear] = {}
+    for named in children.values():
+        for names in SIBLINGS:
+            linears = [named.get(n) for n in names]
+            if all(linears) and len({m.in_features for m in linears}) == 1:
+                grouped.update(zip(linears, W8A8Linear.group(linears)))
+    return grouped
 
 
 def _replace(model: nn.Module, old: nn.Module, new: nn.Module) -> None:

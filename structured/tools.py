@@ -135,10 +135,15 @@ class Delta:
 class StreamParser:
     """Reads an answer as it streams: text passes through, each call between <tool_call> and </tool_call> comes
     out as OpenAI tool-call pieces, its arguments streamed as they arrive. Text that may be the start of a call is
-    held back until it is known; a "call" that turns out not to be one comes out as text."""
+    held back until it is known; a "call" that turns out not to be one comes out as text.
 
-    def __init__(self, request_id: str) -> None:
+    `forced`: a grammar made the answer calls only (tool_choice "required" or a named function), so none of it is
+    text: an answer cut short (max_tokens) before a call's name was written gives no call and no content, rather
+    than the markup written so far."""
+
+    def __init__(self, request_id: str, forced: bool = False) -> None:
         self.request_id = request_id
+        self.forced = forced
         self.calls: list[ToolCall] = []
         self.buffer = ""
         self.in_call = False
@@ -176,7 +181,7 @@ class StreamParser:
         out: list[Delta] = []
         if self.in_call:
             self._complete(out, self.buffer, cut=True)
-        else:
+        elif not self.forced:
             self._content(out, self.buffer)
         self.buffer, self.in_call = "", False
         return out
@@ -222,7 +227,8 @@ class StreamParser:
             value = json.loads(body) if _is_json(body) else None
             if not (isinstance(value, dict) and isinstance(value.get("name"), str) and "arguments" in value):
                 self.buffer = ""
-                out.append(Delta(content=self.blanks + OPEN + body + ("" if cut else CLOSE)))
+                if not self.forced:
+                    out.append(Delta(content=self.blanks + OPEN + body + ("" if cut else CLOSE)))
                 return False
             index = len(self.calls)
             arguments = value["arguments"]
@@ -235,12 +241,12 @@ class StreamParser:
         return True
 
 
-def parse(text: str, request_id: str) -> tuple[str | None, list[ToolCall]]:
+def parse(text: str, request_id: str, forced: bool = False) -> tuple[str | None, list[ToolCall]]:
     """A whole answer's text and calls, exactly as a stream of it would have given them."""
-    parser = StreamParser(request_id)
+    parser = StreamParser(request_id, forced)
     deltas = parser.feed(text) + parser.finish()
     content = "".join(d.content for d in deltas if d.content is not None)
-    return (content if content.strip() or not parser.calls else None), parser.calls
+    return (content if content.strip() or not (parser.calls or forced) else None), parser.calls
 
 
 def _is_json(text: str) -> bool:

@@ -84,6 +84,16 @@ def test_a_forced_tool_call_streams_deltas_the_client_reassembles(client):
     assert final.choices[0].finish_reason == "tool_calls" and streamed.id.startswith("call_")
 
 
+def test_a_forced_tool_call_cut_by_max_tokens_leaks_no_markup(client):
+    request = dict(model="any", messages=MESSAGES, tools=[LOOKUP, ESCALATE], max_tokens=3, seed=11,
+                   tool_choice={"type": "function", "function": {"name": "lookup_order"}})
+    choice = client.chat.completions.create(**request).choices[0]
+    assert choice.finish_reason == "length" and choice.message.content is None and not choice.message.tool_calls
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    assert not "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 def test_required_tool_choice_with_tool_history_calls_one_of_the_tools(client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

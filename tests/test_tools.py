@@ -33,9 +33,9 @@ ANSWERS = [
 ]
 
 
-def stream(text: str, seed: int) -> tuple[str | None, dict[int, dict]]:
+def stream(text: str, seed: int, forced: bool = False) -> tuple[str | None, dict[int, dict]]:
     """The answer fed in random pieces; content and calls put together from the OpenAI deltas."""
-    parser, rng, deltas, i = StreamParser("req"), random.Random(seed), [], 0
+    parser, rng, deltas, i = StreamParser("req", forced), random.Random(seed), [], 0
     while i < len(text):
         n = rng.randint(1, 6)
         deltas += parser.feed(text[i:i + n])
@@ -50,7 +50,23 @@ def stream(text: str, seed: int) -> tuple[str | None, dict[int, dict]]:
                 assert entry["id"] is None and call["type"] == "function"   # the id and name come once, first
                 entry.update(id=call["id"], name=call["function"]["name"])
             entry["arguments"] += call["function"].get("arguments", "")
-    return (content if content.strip() or not calls else None), calls
+    return (content if content.strip() or not (calls or forced) else None), calls
+
+
+@pytest.mark.parametrize("text", ["<tool", BEGIN, BEGIN + '{"na', BEGIN + '{"name":"get_order_st',
+                                  BEGIN + '{"name":"get_order_status","arguments":{"order_nu'])
+def test_a_forced_call_cut_short_gives_no_text(text):
+    """tool_choice forced a call and max_tokens cut it: what was written is markup, never the answer's content. A
+    call whose name was written keeps it and the arguments read so far (OpenAI's finish_reason is then "length")."""
+    content, calls = parse(text, "req", forced=True)
+    assert content is None
+    named = '"arguments"' in text
+    assert [(c.name, c.arguments) for c in calls] == ([("get_order_status", '{"order_nu')] if named else [])
+    for seed in range(10):
+        assert stream(text, seed, forced=True) == (content, {c.index: {"id": c.id, "name": c.name,
+                                                                      "arguments": c.arguments} for c in calls})
+    if not named:   # unforced, the same text is content: the model chose to write it
+        assert parse(text, "req")[0]
 
 
 @pytest.mark.parametrize("text", ANSWERS)

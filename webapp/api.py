@@ -284,7 +284,8 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
         extra[jobs.TOOLS] = [tool.to_openai() for tool in use.tools]
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()
-    return Request(messages, params, extra, api_answers.Shape(model, tools=use.offered, logprobs=logprobs is not None,
+    return Request(messages, params, extra, api_answers.Shape(model, tools=use.offered, forced=use.structure is not None,
+                                                              logprobs=logprobs is not None,
                                                               include_usage=include_usage))
 
 

@@ -18,6 +18,7 @@ class Shape:
 
     model: str
     tools: bool = False       # answers are read for tool calls
+    forced: bool = False      # a grammar forced calls (tool_choice "required" or a named function): no text
     logprobs: bool = False    # chat: choices carry logprobs.content; completions: the legacy logprobs
     echo: bool = False        # completions: the prompt comes before the answer
     include_usage: bool = False
@@ -68,7 +69,7 @@ def chat_completion(job: dict, shape: Shape, done: dict) -> dict:
         message: dict = {"role": "assistant", "content": c["text"]}
         reason = finish_reason(c["finish_reason"])
         if shape.tools:
-            content, calls = parse(c["text"], call_scope(job, c["index"]))
+            content, calls = parse(c["text"], call_scope(job, c["index"]), shape.forced)
             message["content"] = content
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
@@ -96,7 +97,7 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
 
     def body():
         n = (job.get("params") or {}).get("n", 1)
-        parsers = {i: StreamParser(call_scope(job, i)) for i in range(n)} if shape.tools else {}
+        parsers = {i: StreamParser(call_scope(job, i), shape.forced) for i in range(n)} if shape.tools else {}
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         for event in events:

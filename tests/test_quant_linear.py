@@ -205,7 +205,7 @@ def test_w8a8_siblings_share_one_matmul_and_equal_each_layer_alone():
     matmul._run = lambda x: calls.append(x) or run(x)
     x = torch.randn(2, 5, 64)
     outs = [m(x) for m in members]
-    assert len(calls) == 1 and matmul._result is None and matmul._input is None
+    assert len(calls) == 1 and matmul.held is None
     for out, single, layer in zip(outs, alone, layers):
         assert out.shape == (2, 5, layer.out_features)
         assert torch.equal(out, single(x))

@@ -191,6 +191,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x, scales).round_().to(torch.int8), scales
 
 
+@dataclass(frozen=True)
+class Held:
+    """An Int8Matmul's result for one input, kept until the members in `pending` have taken their columns."""
+
+    input: torch.Tensor
+    version: int
+    result: torch.Tensor
+    pending: frozenset[int]
+
+
 class Int8Matmul(nn.Module):
     """int8 weights times int8 activations for one or more linears that read the same input (q/k/v, gate/up):
     their weights are concatenated, so the input is quantised once and multiplied once.
@@ -210,23 +220,17 @@ class Int8Matmul(nn.Module):
              for w, b in zip(weights, biases)]))
         edges = torch.tensor([0, *(len(w) for w in weights)]).cumsum(0).tolist()
         self.columns = list(zip(edges[:-1], edges[1:]))
-        self._input: torch.Tensor | None = None
-        self._version = -1
-        self._result: torch.Tensor | None = None
-        self._pending: set[int] = set()
+        self.held: Held | None = None
 
     def forward(self, x: torch.Tensor, member: int) -> torch.Tensor:
-        version = _version(x)
-        if self._input is not x or self._version != version or member not in self._pending:
-            self._result = self._run(x)
-            self._input, self._version = x, version
-            self._pending = set(range(len(self.columns)))
-        self._pending.discard(member)
+        version, held = _version(x), self.held
+        if held is None or held.input is not x or held.version != version or member not in held.pending:
+            held = Held(x, version, self._run(x), frozenset(range(len(self.columns))))
+        pending = held.pending - {member}
+        # Replaced whole, never changed in place: a thread always reads an input and its own result together.
+        self.held = Held(x, version, held.result, pending) if pending else None
         start, end = self.columns[member]
-        out = self._result if len(self.columns) == 1 else self._result[..., start:end]
-        if not self._pending:
-            self._input = self._result = None
-        return out
+        return held.result if len(self.columns) == 1 else held.result[..., start:end]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.codes_t.shape[0]).float()
@@ -266,7 +270,7 @@ class W8A8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         start, end = self.matmul.columns[self.member]
-        return (self.matmul.codes_t[:, start:end].t().float() * self.matmul.scales[start:end, None])
+        return self.matmul.codes_t[:, start:end].t().float() * self.matmul.scales[start:end, None]
 
 
 class Int8Embedding(nn.Module):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from worker.engine import cpu_kernel
 from worker.engine.quant_linear import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
                                         Int8Embedding, Int8Linear, Int8Matmul, W8A8Linear, int4_from_float,
                                         kernel_group, quantize_model, quantize_rows)
@@ -235,3 +236,24 @@ def test_quantize_model_w8a8_groups_attention_and_mlp_inputs(tiny):
     assert len({id(m) for m in model.modules() if isinstance(m, Int8Matmul)}) == 2 * 4 + 1
     similarity = torch.nn.functional.cosine_similarity(after.flatten(), before.flatten(), dim=0)
     assert similarity > 0.95, similarity
+
+
+@pytest.mark.skipif(cpu_kernel.load_int8_rows() is None, reason="no C compiler for the w8a8 row kernels")
+def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
+    """The C quantiser and scaler (int8_rows.c) against the torch ops they replace: rows of every magnitude, a row
+    of zeros, exact halves (rounded to even), strided rows, and enough rows to run on several threads."""
+    torch.manual_seed(5)
+    members = W8A8Linear.group([linear(torch.randn(n, 96) * 0.1, torch.randn(n)) for n in (64, 32)])
+    matmul = members[0].matmul
+    x = torch.randn(700, 96) * torch.rand(700, 1) * 50
+    x[3] = 0
+    x[7] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5] * 12)
+    strided = torch.randn(700, 200)[:, 50:146]
+    for inputs in (x, x[:1], x[3:4], x[:16], strided, x.view(7, 100, 96)):
+        fast = matmul._run(inputs)
+        matmul.row_kernels = False
+        slow = matmul._run(inputs)
+        matmul.row_kernels = True
+        assert torch.equal(fast, slow)
+    codes, _ = quantize_rows(x[7:8])
+    assert codes[0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]

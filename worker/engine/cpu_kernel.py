@@ -1,4 +1,4 @@
-"""Builds the C paged-attention kernel with the system compiler on first use and loads it via ctypes."""
+"""Builds the C kernels (paged attention; w8a8's row work) with the system compiler on first use, loads them via ctypes."""
 
 from __future__ import annotations
 
@@ -18,8 +18,11 @@ import torch  # noqa: F401  (loaded first, so the kernel shares torch's OpenMP r
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_attention.c")
+INT8_SOURCE = Path(__file__).with_name("int8_rows.c")
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, row stride, codes, scales
+                 "scale_rows_cols": [_P, _I64, _I64, _P, _P, _P, _I32]}      # acc, rows, cols, row/col scales, out
 ARGTYPES = [_P, _I64, _I64,  _P, _I64, _I64,  _P, _I64, _I64,      # q, k, v and their token/head strides
             _P, _P, _I64, _I32,  _I32, _I32, _I32,                  # pool, num_blocks, block_size, heads
             _P, _I32,  _P, _P,  _P, _I32, _I32,                     # slots, rows, tables, max context
@@ -47,28 +50,44 @@ def _compiler() -> str | None:
 
 @cache
 def load() -> ctypes.CDLL | None:
-    """The compiled kernel, or None (logged) when there is no compiler or the build fails."""
+    """The compiled paged-attention kernel, or None (logged) when there is no compiler or the build fails."""
+    lib = _build(SOURCE, "paged-attention kernel", "falling back to gathering the context")
+    if lib is not None:
+        lib.paged_attention_f32.argtypes = ARGTYPES
+        lib.paged_attention_f32.restype = ctypes.c_int
+    return lib
+
+
+@cache
+def load_int8_rows() -> ctypes.CDLL | None:
+    """The compiled w8a8 row kernels, or None (logged): w8a8 then quantises and scales with torch's ops."""
+    lib = _build(INT8_SOURCE, "w8a8 row kernels", "w8a8 uses torch's ops for them")
+    if lib is not None:
+        for name, argtypes in INT8_ARGTYPES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
+    return lib
+
+
+def _build(path: Path, what: str, fallback: str) -> ctypes.CDLL | None:
     cc = _compiler()
     if cc is None:
-        log.warning("no C compiler (cc/gcc) found: paged attention falls back to gathering the context")
+        log.warning("no C compiler (cc/gcc) found for the %s: %s", what, fallback)
         return None
-    source = SOURCE.read_bytes()
+    source = path.read_bytes()
     key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_attention-{key}.so"
+    target = cache_dir() / f"{path.stem}-{key}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(built), "-lm"], check=True,
+                subprocess.run([cc, *FLAGS, str(path), "-o", str(built), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
                 built.rename(target)   # atomic: a half-written library is never loaded
-            log.info("compiled the paged-attention kernel: %s", target)
-        lib = ctypes.CDLL(str(target))
+            log.info("compiled the %s: %s", what, target)
+        return ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("paged-attention kernel unavailable (%s): falling back to gathering the context", detail)
+        log.warning("%s unavailable (%s): %s", what, detail, fallback)
         return None
-    lib.paged_attention_f32.argtypes = ARGTYPES
-    lib.paged_attention_f32.restype = ctypes.c_int
-    return lib

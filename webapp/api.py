@@ -284,9 +284,9 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
         extra[jobs.TOOLS] = [tool.to_openai() for tool in use.tools]
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()
-    return Request(messages, params, extra, api_answers.Shape(model, tools=use.offered, forced=use.structure is not None,
-                                                              logprobs=logprobs is not None,
-                                                              include_usage=include_usage))
+    shape = api_answers.Shape(model, tools=use.offered, forced=use.structure is not None,
+                              logprobs=logprobs is not None, include_usage=include_usage)
+    return Request(messages, params, extra, shape)
 
 
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:

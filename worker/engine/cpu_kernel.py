@@ -1,4 +1,4 @@
-"""Builds the C kernels (paged attention; w8a8's row work) with the system compiler on first use, loads them via ctypes."""
+"""Builds the C kernels (paged attention, w8a8 row work) with the system compiler on first use, loads them by ctypes."""
 
 from __future__ import annotations
 

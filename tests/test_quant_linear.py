@@ -257,3 +257,11 @@ def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
         assert torch.equal(fast, slow)
     codes, _ = quantize_rows(x[7:8])
     assert codes[0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
+def test_w8a8_on_a_cpu_without_vnni_is_warned_about(tiny, monkeypatch, caplog):
+    model, _ = tiny
+    monkeypatch.setattr(cpu_kernel, "has_vnni", lambda: False)
+    with caplog.at_level("WARNING", logger="worker.engine.quant_linear"):
+        quantize_model(model, "w8a8")
+    assert "lists no VNNI instructions" in caplog.text and "WEIGHTS=int4 or bfloat16" in caplog.text

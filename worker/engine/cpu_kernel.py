@@ -44,6 +44,12 @@ def _cpu_identity() -> str:
     return platform.machine() + flags
 
 
+def has_vnni() -> bool:
+    """The CPU lists x86's int8 dot-product instructions (AVX512-VNNI or AVX-VNNI)."""
+    flags = set(_cpu_identity().split())
+    return bool(flags & {"avx512_vnni", "avx_vnni"})
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 

@@ -379,6 +379,9 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     if param.device.type != "cpu":
         raise ValueError(f"WEIGHTS={weights} runs on the CPU only (torch's int4/int8 weight kernels are CPU "
                          f"kernels here); the model is on {param.device.type}. Use WEIGHTS=float32 and DTYPE there.")
+    if "w8a8" in (weights, head) and not cpu_kernel.has_vnni():
+        log.warning("WEIGHTS=w8a8 on a CPU that lists no VNNI instructions: oneDNN's int8 matmul is slower there, "
+                    "and may saturate its 16-bit partial sums; WEIGHTS=int4 or bfloat16 avoid it.")
     int4_source = int4_source or {}
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(parent, name, child, f"{prefix}.{name}".lstrip(".")) for prefix, parent in model.named_modules()

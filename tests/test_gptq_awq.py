@@ -463,6 +463,10 @@ def test_weights_int4_also_quantises_the_rest_and_bfloat16_swaps_the_dequantised
     assert "14 from the GPTQ checkpoint's 4-bit codes, 1 quantised from float" in report.describe()
     model, _ = load_model(str(path), weights="bfloat16")
     assert model.weights_report.layers == {"bfloat16": 15} and model.weights_report.dequantized == 14
+    model, _ = load_model(str(path), weights="w8a8")
+    assert model.weights_report.layers == {"w8a8": 15} and model.weights_report.dequantized == 14
+    attention = model.model.layers[0].self_attn
+    assert attention.q_proj.matmul is attention.v_proj.matmul   # the de-quantised q/k/v share one int8 matmul
 
 
 @pytest.mark.parametrize("case", ["gptq-v2-desc-act", "awq"])

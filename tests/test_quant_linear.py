@@ -122,14 +122,20 @@ def test_q4_1_blocks_become_int4_codes_that_dequantize_exactly():
     assert (weights.rounded().dequantize() - expected).abs().max() <= expected.abs().max() * 2**-8
 
 
-def test_quantize_model_swaps_every_linear_and_the_tied_embedding(tiny):
+def swapped(tiny, weights: str) -> tuple[torch.Tensor, torch.Tensor, object]:
+    """The tiny model's logits for one question before and after quantize_model(weights), and its report."""
     model, tok = tiny
-    embedding = model.get_input_embeddings().weight.detach().clone()
     ids = torch.tensor([tok.encode("Where is my parcel?")])
     with torch.no_grad():
         before = model(ids).logits
-        report = quantize_model(model, "int4")
-        after = model(ids).logits
+        report = quantize_model(model, weights)
+        return before, model(ids).logits, report
+
+
+def test_quantize_model_swaps_every_linear_and_the_tied_embedding(tiny):
+    model, _ = tiny
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    before, after, report = swapped(tiny, "int4")
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert report.layers["int4"] == 2 * 7 + 1 and report.embedding.startswith("int8")
     assert isinstance(model.lm_head, Int4Linear) and isinstance(model.get_input_embeddings(), Int8Embedding)
@@ -220,12 +226,8 @@ def test_w8a8_siblings_share_one_matmul_and_equal_each_layer_alone():
 
 
 def test_quantize_model_w8a8_groups_attention_and_mlp_inputs(tiny):
-    model, tok = tiny
-    ids = torch.tensor([tok.encode("Where is my parcel?")])
-    with torch.no_grad():
-        before = model(ids).logits
-        report = quantize_model(model, "w8a8")
-        after = model(ids).logits
+    model, _ = tiny
+    before, after, report = swapped(tiny, "w8a8")
     assert not any(type(m) is torch.nn.Linear for m in model.modules())
     assert report.layers == {"w8a8": 2 * 7 + 1} and report.embedding.startswith("int8")
     layer = model.model.layers[0]

@@ -148,17 +148,23 @@ def load_tokenizer(model: str | None = None):
         raise ModelLoadError(_hint(source, exc)) from exc
 
 
-def pick_weights(device: torch.device, weights: str | None = None) -> str:
+def pick_weights(device: torch.device, weights: str | None = None,
+                 off_cpu: str = " and pick DTYPE instead") -> str:
     """The WEIGHTS setting: float32 (dense weights in the model's dtype), int4, int8 or bfloat16 (weight-only,
-    CPU), w8a8 (int8 weights and activations, CPU). Unset: float32 everywhere (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir)."""
+    CPU), w8a8 (int8 weights and activations, CPU). Unset: float32 everywhere (a GPTQ or AWQ directory keeps its
+    own int4 layers: load_quantized_dir). Any other precision off the CPU is refused, `off_cpu` saying what then."""
     from worker.engine.quant_linear import check_choice
 
     if not weights:
         return "float32"
     try:
-        return check_choice(weights.strip().lower())
+        precision = check_choice(weights.strip().lower())
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    if precision != "float32" and device.type != "cpu":
+        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 kernels here are CPU "
+                             f"kernels); on {device.type} unset WEIGHTS{off_cpu}.")
+    return precision
 
 
 def load_model(model: str | None = None, device: str | None = None, dtype: str | torch.dtype | None = None,
@@ -175,9 +181,6 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
     if spec is not None:
         return load_quantized_dir(source, spec, dev, dt, attn_implementation, weights)
     precision = pick_weights(dev, weights)
-    if precision != "float32" and dev.type != "cpu":
-        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 kernels here are CPU "
-                             f"kernels); on {dev.type} unset WEIGHTS and pick DTYPE instead.")
     try:
         path = local_dir_for(source)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -216,11 +219,8 @@ def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, 
 
     from worker.gptq_awq import CheckpointError, load_quantized
 
-    precision = pick_weights(dev, weights) if weights else None
-    if precision not in (None, "float32") and dev.type != "cpu":
-        raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 kernels here are CPU "
-                             f"kernels); on {dev.type} unset WEIGHTS: the {spec.label} checkpoint is then "
-                             f"de-quantised to DTYPE.")
+    off_cpu = f": the {spec.label} checkpoint is then de-quantised to DTYPE"
+    precision = pick_weights(dev, weights, off_cpu) if weights else None
     int4 = dev.type == "cpu" and precision in (None, "int4")
     if not int4:
         log.info("De-quantising the %s checkpoint %s to dense %s weights on %s", spec.label, source.path,

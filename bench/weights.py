@@ -1,8 +1,10 @@
 """`python -m bench.weights`: the engine at each weight precision in one run, with the quality each costs.
 
 Each precision runs `python -m bench --weights W` in a process of its own (its memory is its own): engine
-tokens/s at --slots, greedy agreement with per-prompt `generate` on the same precision and with the same request
-alone in a one-slot engine (batch invariance), the process's peak RSS
+tokens/s at --slots; greedy agreement with per-prompt `generate` on the same precision, run on SDPA (transformers'
+default) and on the engine's attention arithmetic (attention.KERNEL_REFERENCE), with SDPA against eager as
+transformers' own agreement with itself; agreement with the same request alone in a one-slot engine (batch
+invariance); the process's peak RSS
 and the bytes its weights take. Then every precision's model scores the float32 model's greedy answers (mean
 log-likelihood per answer token) and its own answers are compared with float32's.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import ENGINE_BLOCK_SIZE, cut, eos_ids_of, load_workload, resolve_workload
+from worker.engine import attention
 from worker.model_loader import load_model
 
 CHOICES = ("float32", "int4", "int8", "bfloat16", "w8a8")
@@ -54,9 +57,15 @@ def score(model, prompts: dict[str, list[int]], answers: dict[str, list[int]]) -
 
 
 @torch.inference_mode()
-def generate_alone(model, prompt: list[int], cap: int, tokenizer) -> list[int]:
-    out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=cap, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+def generate_alone(model, prompt: list[int], cap: int, tokenizer, attn: str = "sdpa") -> list[int]:
+    """Per-prompt `generate` with the model's attention set to `attn` (an implementation transformers knows)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation(attn)
+    try:
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=cap, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    finally:
+        model.set_attn_implementation(before)
     return cut(out[0, len(prompt):].tolist(), cap, eos_ids_of(model, tokenizer))
 
 
@@ -134,19 +143,28 @@ def main(argv: list[str] | None = None) -> dict:
     # Greedy agreement with per-prompt generate on the same precision, on the requests with the shortest caps
     # (generate alone costs a request's full decode: the whole workload's would dominate the run).
     sample = sorted(caps, key=caps.get)[:args.agree]
+    attention.register()
     rows = {}
     for weights in wanted:
         model, _ = load_model(args.model, device="cpu", weights=weights)
         engine = runs[weights]["methods"]["engine"]
         own = runs[weights]["engine_outputs"]
         same = sum(1 for rid in base if own.get(rid) == base[rid])
-        matches = sum(1 for rid in sample if generate_alone(model, prompts[rid], caps[rid], tokenizer) == own[rid])
+        # generate as transformers runs it (SDPA), with eager attention (how far transformers' own two kernels
+        # agree with each other), and on the engine's attention arithmetic (what is left is the engine's own work).
+        answers = {attn: {rid: generate_alone(model, prompts[rid], caps[rid], tokenizer, attn) for rid in sample}
+                   for attn in ("sdpa", "eager", attention.KERNEL_REFERENCE)}
+        matches = sum(1 for rid in sample if answers["sdpa"][rid] == own[rid])
+        on_kernel = sum(1 for rid in sample if answers[attention.KERNEL_REFERENCE][rid] == own[rid])
+        sdpa_eager = sum(1 for rid in sample if answers["sdpa"][rid] == answers["eager"][rid])
         # Batch invariance: the same request alone in the engine gives the answer it gave among --slots others.
         alone = sum(1 for rid in sample if engine_alone(model, tokenizer, prompts[rid], caps[rid]) == own[rid])
         rows[weights] = {
             "tokens_per_s": engine["tokens_per_s"],
             "vs_float32": engine["tokens_per_s"] / runs["float32"]["methods"]["engine"]["tokens_per_s"],
             "equal_to_generate": f"{matches}/{len(sample)}",
+            "equal_to_generate_on_kernel": f"{on_kernel}/{len(sample)}",
+            "generate_sdpa_as_eager": f"{sdpa_eager}/{len(sample)}",
             "equal_to_engine_alone": f"{alone}/{len(sample)}",
             "peak_rss_mb": engine["peak_rss_mb"],
             "weights_mb": runs[weights].get("weights_mb"),

@@ -317,3 +317,34 @@ def test_warming_the_prefill_form_leaves_nothing_to_compile_for_chunks_over_a_ca
             mask = paged.prefill_mask([Span(0, length, cached + length, table)])
             flex.prefill(torch.randn(heads, length, head_dim), kv[0, 1], kv[1, 1], mask, None)
     assert len(_debug_get_cache_entry_list(flex_attention.__code__)) == compiled
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", SHAPES)
+def test_the_kernel_reference_gives_each_row_the_bits_it_gets_in_any_packed_paged_step(heads, kv_heads, head_dim,
+                                                                                     block_size):
+    """`generate` on KERNEL_REFERENCE attends a whole prompt at once, then one row per step, over a contiguous
+    cache; the engine packs chunks and decodes of many sequences over shuffled blocks. Each row's bits agree."""
+    kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads + 1)
+    ctx = attention.build_context("kernel", kv, slots, spans, num_decodes=5, block_size=block_size)
+    attention.set_context(ctx)
+    try:
+        packed = attention.paged_attention(Layer(), q[None], k[None], v[None], None)[0][0]
+    finally:
+        attention.set_context(None)
+    for s, (keys, values) in zip(spans, history):
+        rows = q[:, s.start:s.start + s.length]
+        whole = attention.kernel_reference(Layer(), rows[None], keys[None], values[None], None)[0][0]
+        assert torch.equal(whole, packed[s.start:s.start + s.length])
+        for i in range(s.length):   # one row at a time, as decode steps see them
+            end = s.context - s.length + i + 1
+            one = attention.kernel_reference(Layer(), rows[None, :, i:i + 1], keys[None, :, :end],
+                                             values[None, :, :end], None)[0][0]
+            assert torch.equal(one[0], packed[s.start + i])
+
+
+@needs_kernel
+def test_the_kernel_reference_refuses_a_padded_batch_with_what_to_pass_instead():
+    q, k = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8)
+    with pytest.raises(ValueError, match="batch of one"):
+        attention.kernel_reference(Layer(), q, k, k, None)

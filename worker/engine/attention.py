@@ -37,6 +37,7 @@ from . import cpu_kernel, flex
 from .transfer import upload
 
 ATTN_NAME = "engine_paged"
+KERNEL_REFERENCE = "engine_kernel"   # the kernel's arithmetic on a plain model's own cache (kernel_reference)
 BACKENDS = ("kernel", "gather", "flex")
 DECODE_MODES = ("flex", "gather")   # decode attention in the static-buffer (CUDA-graph) path
 log = logging.getLogger(__name__)
@@ -281,8 +282,48 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     return o[0]
 
 
+def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None,
+                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
+    """The C kernel's attention over transformers' own contiguous cache, for one unpadded causal sequence.
+
+    A row's result in the kernel depends on that row's query and its keys alone, not on the block table,
+    the chunking or the rows beside it. So `generate` on a model set to KERNEL_REFERENCE is transformers'
+    per-prompt loop computing exactly the engine's arithmetic: what is left to differ is the engine's own
+    work (packing, paging, chunked and prefix-cached prefill, scheduling, sampling). The cache
+    [1, kv_heads, context, head_dim] is the pool's layout with one block of `context` tokens.
+    """
+    lib = cpu_kernel.load()
+    if lib is None or query.device.type != "cpu" or query.dtype != torch.float32:
+        raise RuntimeError("the kernel reference needs the compiled paged-attention kernel and float32 on CPU")
+    if query.shape[0] != 1 or attention_mask is not None:
+        raise ValueError("the kernel reference attends one unpadded sequence: pass a batch of one, no padding")
+    q, k, v = query[0], key[0], value[0]
+    heads, tokens, d = q.shape
+    kv_heads, context, _ = k.shape
+    pool = torch.stack([k, v])[:, :, None].contiguous()   # [2, kv_heads, 1 block, context, head_dim]
+    new = slice(context - tokens, context)                 # the queries are the cache's last rows
+    k_new, v_new = k[:, new], v[:, new]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    slots = torch.arange(context - tokens, context)
+    row_seq = torch.zeros(tokens, dtype=torch.int32)
+    row_pos = torch.arange(context - tokens, context, dtype=torch.int32)
+    table = torch.zeros(1, 1, dtype=torch.int32)
+    out = torch.empty(tokens, heads, d)
+    rc = lib.paged_attention_f32(
+        q.data_ptr(), q.stride(1), q.stride(0), k_new.data_ptr(), k_new.stride(1), k_new.stride(0),
+        v_new.data_ptr(), v_new.stride(1), v_new.stride(0), pool[0].data_ptr(), pool[1].data_ptr(), 1, context,
+        heads, kv_heads, d, slots.data_ptr(), tokens, row_seq.data_ptr(), row_pos.data_ptr(), table.data_ptr(), 1,
+        context, d ** -0.5 if scaling is None else scaling, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged-attention kernel refused {heads} query heads over {kv_heads} KV heads")
+    return out.unsqueeze(0), None
+
+
 def register() -> None:
-    """Make the function selectable as attn_implementation=ATTN_NAME (no mask is built for it)."""
+    """Make the engine's function selectable as attn_implementation=ATTN_NAME, and the kernel's arithmetic on
+    a plain model as KERNEL_REFERENCE (no mask is built for either)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention)
+    AttentionInterface.register(KERNEL_REFERENCE, kernel_reference)

@@ -275,3 +275,17 @@ def test_grammar_bench_measures_every_section_on_a_tiny_model(tiny_dir, tmp_path
     for table in result["engine"].values():
         assert table["none"]["steps"] == table["constrained"]["steps"] > 0
         assert table["constrained_vs_none"] > 0
+
+
+def test_attention_bits_finds_the_kernel_gives_every_row_its_bits_at_any_length_and_sdpa_does_not(capsys):
+    from bench import attention_bits
+    from worker.engine import cpu_kernel
+
+    if cpu_kernel.load() is None:
+        pytest.skip("no C compiler for the paged-attention kernel")
+    assert attention_bits.rows_that_differ(attention_bits.kernel, 50, 9, 3, 64, seed=1) == (0, 0)
+    prefix, decode = attention_bits.rows_that_differ(attention_bits.sdpa, 50, 9, 3, 64, seed=1)
+    assert prefix + decode > 0   # SDPA blocks its work by prompt length: the tool must see that, or it sees nothing
+    attention_bits.main(["--lengths", "20"])
+    out = capsys.readouterr().out
+    assert "kernel        20                             0/19                          0/20" in out

@@ -92,12 +92,14 @@ class Direct:
 
         from worker.engine import EngineConfig, LLMEngine
         from worker.model_loader import load_model
+        from worker.settings import weights_setting
 
         self.placement = placement or Placement()
         if self.placement.pinned:
             torch.set_num_threads(len(self.placement.engine))
         with self.placement.engine_thread():
-            self.engine = LLMEngine(*load_model(model_name), EngineConfig(max_num_seqs=slots))
+            # The worker's WEIGHTS, read the worker's way: both sides run the same precision.
+            self.engine = LLMEngine(*load_model(model_name, weights=weights_setting()), EngineConfig(max_num_seqs=slots))
 
     def _add(self, q: dict, cap: int) -> None:
         from worker.engine import SamplingParams

@@ -20,6 +20,7 @@ from models import RequestRecord
 from tests.test_api_stack import MESSAGES, engine_direct
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
 from worker.model_loader import load_model
+from worker.settings import weights_setting
 
 LOOKUP = {"type": "function", "function": {
     "name": "lookup_order", "description": "Find an order by its number.",
@@ -180,7 +181,7 @@ def test_logit_bias_reaches_the_sampler(client):
 
 
 def direct_completion(model_dir, ids: list[int], max_tokens: int) -> str:
-    model, tokenizer = load_model(str(model_dir))
+    model, tokenizer = load_model(str(model_dir), weights=weights_setting())   # the worker's precision
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
     engine.add_request("direct", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=max_tokens))
     while engine.has_unfinished():

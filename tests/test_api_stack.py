@@ -12,6 +12,7 @@ from models import RequestRecord
 from tests.stack import wait_for
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
 from worker.model_loader import load_model
+from worker.settings import weights_setting
 
 MESSAGES = [{"role": "system", "content": "You answer questions about orders."},
             {"role": "user", "content": "Can I change the delivery address of order 1234?"}]
@@ -23,7 +24,7 @@ def client(stack):
 
 
 def engine_direct(model_dir, messages: list[dict], max_tokens: int) -> str:
-    model, tokenizer = load_model(str(model_dir))
+    model, tokenizer = load_model(str(model_dir), weights=weights_setting())   # the worker's precision
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
     engine.add_request("direct", messages=messages, params=SamplingParams(temperature=0, max_new_tokens=max_tokens))
     while engine.has_unfinished():

@@ -154,6 +154,25 @@ def test_bad_weights_name_the_setting_and_the_choices(tiny_model_dir):
         load_model(str(tiny_model_dir), device="cuda", weights="int4")
 
 
+def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_and_float32_elsewhere(tiny_model_dir, monkeypatch):
+    from worker import model_loader
+    from worker.settings import WorkerSettings
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(cpu_kernel, "has_vnni", lambda: True)
+    assert model_loader.pick_weights(cpu, "auto") == model_loader.pick_weights(cpu, " AUTO") == "w8a8"
+    assert model_loader.pick_weights(cpu, "auto", dtype=torch.bfloat16) == "float32"   # DTYPE asked for dense
+    assert model_loader.pick_weights(cuda, "auto") == "float32"                        # not refused off the CPU
+    assert model_loader.pick_weights(cpu, None) == "float32"                           # the library's: as stored
+    assert load_model(str(tiny_model_dir), weights="auto")[0].weights_report.weights == "w8a8"
+    monkeypatch.setattr(cpu_kernel, "has_vnni", lambda: False)
+    assert model_loader.pick_weights(cpu, "auto") == "float32"
+    monkeypatch.delenv("WEIGHTS", raising=False)
+    assert WorkerSettings().weights == "auto"
+    monkeypatch.setenv("WEIGHTS", "int4")
+    assert WorkerSettings().weights == "int4"
+
+
 @pytest.mark.real_model
 def test_default_gguf_blocks_are_exactly_the_float_weights_transformers_loads(real_model):
     """Every Q4_1 matrix of the bundled GGUF, q and k rows reordered as transformers does, read as int4 codes,

@@ -8,6 +8,7 @@ import os
 
 from worker.engine import EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, SamplingParams, TokenDelta
 from worker.model_loader import load_model
+from worker.settings import weights_setting
 
 DEFAULT_SYSTEM_PROMPT = ("You are a friendly customer-support assistant for an online shop. Answer briefly and "
                          "politely; if you do not know an order's details, ask for the order number.")
@@ -18,7 +19,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--model", default=os.environ.get("MODEL"), help="HF id, directory or .gguf file")
     parser.add_argument("--device", default=os.environ.get("DEVICE"))
     parser.add_argument("--dtype", default=os.environ.get("DTYPE"))
-    parser.add_argument("--weights", default=os.environ.get("WEIGHTS"), help="float32, int4, int8, bfloat16 or w8a8")
+    parser.add_argument("--weights", default=weights_setting(),
+                        help="float32, int4, int8, bfloat16, w8a8, or auto (the device's measured best)")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     args = parser.parse_args(argv)

@@ -148,17 +148,35 @@ def load_tokenizer(model: str | None = None):
         raise ModelLoadError(_hint(source, exc)) from exc
 
 
+AUTO = "auto"   # WEIGHTS unset in the worker and `make chat`: the measured best for the device (auto_weights)
+
+
+def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
+    """WEIGHTS=auto: w8a8 on a CPU that lists VNNI, running float32 (there the fastest precision at 16 and 48 slots,
+    at half float32's memory, and closer to float32's answers than the GGUF's own int4: docs/BENCHMARKS.md);
+    float32 everywhere else, where w8a8 is unmeasured or does not run."""
+    from worker.engine import cpu_kernel
+
+    if device.type == "cpu" and dtype == torch.float32 and cpu_kernel.has_vnni():
+        return "w8a8"
+    return "float32"
+
+
 def pick_weights(device: torch.device, weights: str | None = None,
-                 off_cpu: str = " and pick DTYPE instead") -> str:
+                 off_cpu: str = " and pick DTYPE instead", dtype: torch.dtype = torch.float32) -> str:
     """The WEIGHTS setting: float32 (dense weights in the model's dtype), int4, int8 or bfloat16 (weight-only,
-    CPU), w8a8 (int8 weights and activations, CPU). Unset: float32 everywhere (a GPTQ or AWQ directory keeps its
-    own int4 layers: load_quantized_dir). Any other precision off the CPU is refused, `off_cpu` saying what then."""
+    CPU), w8a8 (int8 weights and activations, CPU), or auto (auto_weights). None: float32, the weights as stored
+    (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir). Any other precision off the CPU is
+    refused, `off_cpu` saying what then."""
     from worker.engine.quant_linear import check_choice
 
     if not weights:
         return "float32"
+    choice = weights.strip().lower()
+    if choice == AUTO:
+        return auto_weights(device, dtype)
     try:
-        precision = check_choice(weights.strip().lower())
+        precision = check_choice(choice)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
     if precision != "float32" and device.type != "cpu":
@@ -180,7 +198,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
     spec = quantized_spec(source)
     if spec is not None:
         return load_quantized_dir(source, spec, dev, dt, attn_implementation, weights)
-    precision = pick_weights(dev, weights)
+    precision = pick_weights(dev, weights, dtype=dt)
     try:
         path = local_dir_for(source)
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -211,7 +229,7 @@ def quantized_spec(source: ModelSource) -> QuantSpec | None:
 
 def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, dt: torch.dtype,
                        attn_implementation: str, weights: str | None):
-    """A GPTQ or AWQ 4-bit directory. On the CPU with WEIGHTS unset its quantised linears run on the int4 kernel
+    """A GPTQ or AWQ 4-bit directory. On the CPU with WEIGHTS unset or auto its quantised linears run on the int4 kernel
     from the checkpoint's own codes and everything else stays as stored; WEIGHTS=int4 also quantises the rest (the
     lm_head, the embedding) as for any model; float32 de-quantises to dense `dt` weights, and int8 and bfloat16
     swap those as for any model. On CUDA the checkpoint is de-quantised to `dt`."""
@@ -220,7 +238,8 @@ def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, 
     from worker.gptq_awq import CheckpointError, load_quantized
 
     off_cpu = f": the {spec.label} checkpoint is then de-quantised to DTYPE"
-    precision = pick_weights(dev, weights, off_cpu) if weights else None
+    auto = not weights or weights.strip().lower() == AUTO   # the checkpoint's own int4 is the measured best here
+    precision = None if auto else pick_weights(dev, weights, off_cpu, dt)
     int4 = dev.type == "cpu" and precision in (None, "int4")
     if not int4:
         log.info("De-quantising the %s checkpoint %s to dense %s weights on %s", spec.label, source.path,

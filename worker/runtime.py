@@ -121,6 +121,8 @@ class WorkerRuntime:
             report = getattr(runner.model, "weights_report", None)
             if report is not None:
                 line += "; " + report.describe()
+                if self.settings.weights.strip().lower() == "auto":
+                    line += " (WEIGHTS=auto, the device's measured best; set WEIGHTS to choose)"
         return line
 
     # ---- outputs ----------------------------------------------------------------------------

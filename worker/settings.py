@@ -41,6 +41,11 @@ def _switch(name: str, off: bool | None = None) -> bool | None:
     raise ValueError(f"{name} must be 1 or 0 (true/false); got {value!r}.")
 
 
+def weights_setting() -> str:
+    """WEIGHTS as the worker reads it: unset is auto, the device's measured best (model_loader.auto_weights)."""
+    return os.environ.get("WEIGHTS") or "auto"
+
+
 @dataclass
 class WorkerSettings:
     redis_url: str = field(default_factory=lambda: os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
@@ -48,9 +53,9 @@ class WorkerSettings:
     model: str | None = field(default_factory=lambda: os.environ.get("MODEL") or None)
     device: str | None = field(default_factory=lambda: os.environ.get("DEVICE") or None)
     dtype: str | None = field(default_factory=lambda: os.environ.get("DTYPE") or None)
-    # Weight precision on CPU: float32, int4, int8, bfloat16 or w8a8 (worker/engine/quant_linear.py). Unset: the
-    # default.
-    weights: str | None = field(default_factory=lambda: os.environ.get("WEIGHTS") or None)
+    # Weight precision on CPU: float32, int4, int8, bfloat16 or w8a8 (worker/engine/quant_linear.py). Unset: auto,
+    # the device's measured best (model_loader.auto_weights).
+    weights: str = field(default_factory=lambda: weights_setting())
     # Unset: 16 slots, 512 tokens per step and a 1 GiB KV pool on CPU; 256 slots, 8192 tokens per step and
     # GPU_MEMORY_UTILIZATION of the GPU on CUDA.
     max_num_seqs: int | None = field(default_factory=lambda: _optional("MAX_NUM_SEQS", int))

@@ -359,7 +359,7 @@ class QuantReport:
 def check_choice(weights: str) -> str:
     if weights not in WEIGHT_CHOICES:
         raise ValueError(f"WEIGHTS={weights!r} is not a weight precision; choose one of "
-                         f"{', '.join(WEIGHT_CHOICES)}, or unset it for the default.")
+                         f"{', '.join(WEIGHT_CHOICES)}, or auto for the device's measured best.")
     return weights
 
 

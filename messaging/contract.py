@@ -12,6 +12,12 @@ SOCKETIO_CHANNEL = "flask-socketio"             # Flask-SocketIO's message queue
 # messaging/stream.py says what a batch holds.
 STREAM_CHANNEL = "supportbot:stream"
 FINAL_TTL_S = 3600
+# An API request's final event larger than this is not broadcast on STREAM_CHANNEL (every web process would take
+# it, and Redis drops a subscriber whose unread messages pass its pub/sub buffer limit, 32 MB by default, and
+# with it every stream on that connection): the stream carries {request_id, stored: true} instead, and the web
+# process that waits for the request reads the event from final_key. n=8 choices of 4096 tokens with 20
+# alternatives each make about 40 MB.
+INLINE_FINAL_BYTES = 256 * 1024
 JOB_TTL_S = 86400                               # a queued request's copy outlives any wait in the queue
 STREAMED_TTL_S = 3600
 

@@ -1,10 +1,11 @@
 """Answer events from the workers to the web processes: many requests' events in one pub/sub message.
 
 A worker publishes a batch on STREAM_CHANNEL once per engine step or short window: every text delta that
-step produced, for every request, and the end of each answer. Each web process reads every batch once and
-hands each event to the connections it serves: the conversation's Socket.IO room (`room`), and the HTTP
-request waiting for it (`api`). One message per window instead of one per delta per request keeps the
-cost of a token on both sides small.
+step produced, for every request, and the end of each answer (an API answer's end larger than
+contract.INLINE_FINAL_BYTES as a stub, {request_id, stored: true}, read from contract.final_key). Each web
+process reads every batch once and hands each event to the connections it serves: the conversation's
+Socket.IO room (`room`), and the HTTP request waiting for it (`api`). One message per window instead of one
+per delta per request keeps the cost of a token on both sides small.
 """
 
 from __future__ import annotations

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import threading
 
 import openai
 import pytest
+import redis
 import requests
+
+from messaging.contract import INLINE_FINAL_BYTES, STREAM_CHANNEL, final_key
+from messaging.stream import decode_batch
 
 from models import RequestRecord
 from tests.stack import wait_for
@@ -110,3 +115,40 @@ def test_a_body_that_is_not_json_is_refused(stack):
 def test_the_openai_client_raises_a_bad_request_error(client):
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="any", messages=MESSAGES, temperature=-1)
+
+
+def test_an_end_too_large_for_the_stream_is_read_where_the_worker_keeps_it(stack, client):
+    """n=4 choices with 20 alternatives per token end in an event of about a megabyte. Broadcast, every web process
+    would take it, and Redis drops a subscriber whose unread messages pass its pub/sub limit, with every stream
+    on it: the stream carries a stub, and the process that waits reads the end from final_key, whole."""
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    listener = r.pubsub(ignore_subscribe_messages=True)
+    listener.subscribe(STREAM_CHANNEL)
+    heard: list[bytes] = []
+    stop = threading.Event()
+
+    def listen() -> None:
+        while not stop.is_set():
+            if (message := listener.get_message(timeout=0.2)) is not None:
+                heard.append(message["data"])
+
+    thread = threading.Thread(target=listen, daemon=True)
+    thread.start()
+    try:
+        reply = client.chat.completions.create(model="any", messages=MESSAGES, temperature=1.0, seed=7, n=4,
+                                               max_tokens=160, logprobs=True, top_logprobs=20)
+    finally:
+        stop.set()
+        thread.join()
+        listener.close()
+    rid = reply.id.removeprefix("chatcmpl-")
+    kept = r.get(final_key(rid))
+    assert len(kept) > INLINE_FINAL_BYTES   # the case this test is about
+    ends = [e for raw in heard for e in decode_batch(raw) if e.data["request_id"] == rid and e.name == "done"]
+    assert ends and all(e.data == {"request_id": rid, "stored": True} for e in ends)
+    assert max(len(raw) for raw in heard) < INLINE_FINAL_BYTES
+    assert len(reply.choices) == 4 and reply.usage.completion_tokens == sum(len(c.logprobs.content)
+                                                                            for c in reply.choices)
+    for choice, kept_choice in zip(reply.choices, json.loads(kept)["choices"]):
+        assert choice.message.content == kept_choice["text"]
+        assert all(len(entry.top_logprobs) == 20 for entry in choice.logprobs.content)

@@ -153,12 +153,9 @@ def _events(r: redis.Redis, stream, request_id: str, silence_limit_s: float) -> 
                 event = None
                 if time.monotonic() - checked > FINAL_CHECK_S:
                     checked = time.monotonic()
-                    try:
-                        kept = r.get(final_key(request_id))
-                    except redis.RedisError as exc:
-                        log.warning("lost Redis while waiting for %s (%s)", request_id, exc)
-                        continue
-                    event = json.loads(kept) if kept else None
+                    event = _kept_final(r, request_id)
+            if event is not None and event.get("stored"):   # too large for the stream: read where it is kept
+                event = _kept_final(r, request_id)
             if event is None:
                 continue
             heard = time.monotonic()
@@ -167,6 +164,17 @@ def _events(r: redis.Redis, stream, request_id: str, silence_limit_s: float) -> 
                 return
     finally:
         stream.stop_waiting(request_id)
+
+
+def _kept_final(r: redis.Redis, request_id: str) -> dict | None:
+    """The request's final event where the worker keeps it; None while there is none, or Redis is away (the wait
+    goes on, and looks again)."""
+    try:
+        kept = r.get(final_key(request_id))
+    except redis.RedisError as exc:
+        log.warning("lost Redis while waiting for %s (%s)", request_id, exc)
+        return None
+    return json.loads(kept) if kept else None
 
 
 class _Deltas:

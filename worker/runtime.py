@@ -14,8 +14,8 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, Operation
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from messaging.connections import redis_client
-from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, cancelled_key, final_key, job_key,
-                                streamed_key)
+from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, cancelled_key,
+                                final_key, job_key, streamed_key)
 from messaging.jobs import ECHO
 from messaging.queue import visibility_timeout
 from models import Message, RequestRecord
@@ -157,18 +157,22 @@ class WorkerRuntime:
                                         "checking for a cancellation"))
 
     def finish(self, event: str, payload: dict, job: dict) -> None:
-        """The request's last event, retried until Redis takes it; kept a while for an API listener that was away."""
+        """The request's last event, retried until Redis takes it; kept a while for an API listener that was away.
+        One larger than INLINE_FINAL_BYTES goes on the stream as a stub: its listener reads it where it is kept."""
+        kept = json.dumps({"event": event, **payload}) if job.get("channel") else None
+        sent = {"request_id": job["request_id"], "stored": True} if kept and len(kept) > INLINE_FINAL_BYTES else payload
+
         def send() -> None:
-            if job.get("channel"):
-                self.redis.set(final_key(job["request_id"]), json.dumps({"event": event, **payload}), ex=FINAL_TTL_S)
-            self.emit(event, payload, job)
+            if kept is not None:
+                self.redis.set(final_key(job["request_id"]), kept, ex=FINAL_TTL_S)
+            self.emit(event, sent, job)
             self.redis.delete(job_key(job["request_id"]))   # answered: nothing left to send again
 
         self.redis_retrying(send, f"sending the end of {job['request_id']}")
         if time.monotonic() - self.redis_failed_at < ECHO_WINDOW_S:
             time.sleep(ECHO_DELAY_S)
             try:
-                self.emit(event, payload, job)
+                self.emit(event, sent, job)
             except redis.RedisError:
                 pass
 

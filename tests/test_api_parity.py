@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 
 from messaging.contract import QUEUE
 from models import RequestRecord
-from tests.test_api_stack import MESSAGES, engine_direct
+from tests.test_api_stack import MESSAGES, engine_direct, stream_heard
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
 from worker.model_loader import load_model
 from worker.settings import weights_setting
@@ -226,6 +226,23 @@ def test_completions_echo_and_logprobs_score_a_prompt(client, tokenizer):
     assert "".join(c.choices[0].text for c in chunks) == answered.choices[0].text
     assert [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens] == \
         answered.choices[0].logprobs.tokens
+
+
+def test_a_streamed_echo_leaves_the_worker_with_the_answers_first_delta(stack, client):
+    """The prompt (text and log-probabilities) rides on choice 0's first delta, so the web streams the echo and the
+    answer as they come instead of holding them to the end."""
+    text = "Where is my parcel?"
+    with stream_heard(stack.env["REDIS_URL"]) as heard:
+        chunks = [c for c in client.completions.create(model="any", prompt=text, max_tokens=12, echo=True, logprobs=1,
+                                                       temperature=0, stream=True) if c.choices]
+    rid = chunks[0].id.removeprefix("cmpl-")
+    mine = [e for e in heard if e.data["request_id"] == rid]
+    first = next(i for i, e in enumerate(mine) if e.name == "token")
+    done = next(i for i, e in enumerate(mine) if e.name == "done")
+    assert first < done and mine[first].data["prompt"] == mine[done].data["prompt"]
+    assert mine[first].data["prompt"]["text"] == text and len(mine[first].data["prompt"]["logprobs"]) > 1
+    assert [e.data.get("prompt") for e in mine[first + 1:done] if e.name == "token"] == [None] * (done - first - 1)
+    assert chunks[0].choices[0].text == text and "".join(c.choices[0].text for c in chunks).startswith(text)
 
 
 BAD = [

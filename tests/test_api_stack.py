@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import openai
 import pytest
@@ -117,12 +119,16 @@ def test_the_openai_client_raises_a_bad_request_error(client):
         client.chat.completions.create(model="any", messages=MESSAGES, temperature=-1)
 
 
-def test_an_end_too_large_for_the_stream_is_read_where_the_worker_keeps_it(stack, client):
-    """n=4 choices with 20 alternatives per token end in an event of about a megabyte. Broadcast, every web process
-    would take it, and Redis drops a subscriber whose unread messages pass its pub/sub limit, with every stream
-    on it: the stream carries a stub, and the process that waits reads the end from final_key, whole."""
-    r = redis.Redis.from_url(stack.env["REDIS_URL"])
-    listener = r.pubsub(ignore_subscribe_messages=True)
+class Heard(list):
+    """Answer events heard on the stream, in order; `sizes`: each message's bytes."""
+
+    sizes: list[int]
+
+
+@contextmanager
+def stream_heard(redis_url: str) -> Iterator[Heard]:
+    """Every answer event the workers publish while the block runs, once it has ended."""
+    listener = redis.Redis.from_url(redis_url).pubsub(ignore_subscribe_messages=True)
     listener.subscribe(STREAM_CHANNEL)
     heard: list[bytes] = []
     stop = threading.Event()
@@ -132,21 +138,32 @@ def test_an_end_too_large_for_the_stream_is_read_where_the_worker_keeps_it(stack
             if (message := listener.get_message(timeout=0.2)) is not None:
                 heard.append(message["data"])
 
+    events = Heard()
     thread = threading.Thread(target=listen, daemon=True)
     thread.start()
     try:
-        reply = client.chat.completions.create(model="any", messages=MESSAGES, temperature=1.0, seed=7, n=4,
-                                               max_tokens=160, logprobs=True, top_logprobs=20)
+        yield events
     finally:
         stop.set()
         thread.join()
         listener.close()
+        events += [e for raw in heard for e in decode_batch(raw)]
+        events.sizes = [len(raw) for raw in heard]
+
+
+def test_an_end_too_large_for_the_stream_is_read_where_the_worker_keeps_it(stack, client):
+    """n=4 choices with 20 alternatives per token end in an event of about a megabyte. Broadcast, every web process
+    would take it, and Redis drops a subscriber whose unread messages pass its pub/sub limit, with every stream
+    on it: the stream carries a stub, and the process that waits reads the end from final_key, whole."""
+    with stream_heard(stack.env["REDIS_URL"]) as heard:
+        reply = client.chat.completions.create(model="any", messages=MESSAGES, temperature=1.0, seed=7, n=4,
+                                               max_tokens=160, logprobs=True, top_logprobs=20)
     rid = reply.id.removeprefix("chatcmpl-")
-    kept = r.get(final_key(rid))
+    kept = redis.Redis.from_url(stack.env["REDIS_URL"]).get(final_key(rid))
     assert len(kept) > INLINE_FINAL_BYTES   # the case this test is about
-    ends = [e for raw in heard for e in decode_batch(raw) if e.data["request_id"] == rid and e.name == "done"]
+    ends = [e for e in heard if e.data["request_id"] == rid and e.name == "done"]
     assert ends and all(e.data == {"request_id": rid, "stored": True} for e in ends)
-    assert max(len(raw) for raw in heard) < INLINE_FINAL_BYTES
+    assert max(heard.sizes) < INLINE_FINAL_BYTES
     assert len(reply.choices) == 4 and reply.usage.completion_tokens == sum(len(c.logprobs.content)
                                                                             for c in reply.choices)
     for choice, kept_choice in zip(reply.choices, json.loads(kept)["choices"]):

@@ -315,6 +315,25 @@ def test_deltas_carry_each_tokens_logprob_and_index(tiny):
         assert all(entry.rank == 1 and entry.top == [] for entry in final.logprobs)   # greedy: the best token
 
 
+def test_choice_zeros_first_delta_carries_the_whole_prompts_logprobs_when_asked(tiny):
+    """So an echo streams before the answer ends: the prompt's figures come with the answer's first token."""
+    model, tok = tiny
+    engine = engine_for(model, tok, max_num_batched_tokens=16, block_size=4)
+    ids = chat_ids(tok, QUESTIONS[0])
+    for rid, asked in (("asked", 2), ("not", None)):
+        engine.add_request(rid, prompt_token_ids=ids, params=SamplingParams(
+            temperature=0, max_new_tokens=4, ignore_eos=True, n=2, prompt_logprobs=asked))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    deltas = [e for e in events if isinstance(e, TokenDelta) and e.token_ids]
+    carrying = [(e.request_id, e.index) for e in deltas if e.prompt_logprobs is not None]
+    assert carrying == [("asked", 0)]
+    first = next(e for e in deltas if e.request_id == "asked" and e.index == 0)
+    final = next(e for e in events if isinstance(e, RequestFinished) and e.request_id == "asked" and e.index == 0)
+    assert first.prompt_logprobs == final.prompt_logprobs and len(first.prompt_logprobs) == len(ids) > 16
+
+
 def test_prompt_logprobs_score_the_prompt_without_an_answer(tiny, ref_model):
     """Scoring a prompt (an evaluation harness's echo + logprobs + max_tokens=0): chunked prefill, no cache hits,
     and the same figures as a full forward pass."""

@@ -172,8 +172,9 @@ def completion(job: dict, shape: Shape, done: dict) -> dict:
 
 
 def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
-    """Each choice's text as it comes. With echo, the prompt (known to the worker only at the end, with its
-    log-probabilities) goes first, so the answer's chunks are held until the answer ends."""
+    """Each choice's text as it comes. With echo, each choice starts with the prompt (its text and, when asked,
+    its log-probabilities), which comes with choice 0's first delta; the end carries it too, for an answer with
+    no tokens or a delta that was lost. A choice's tokens wait only until the prompt is known."""
     def chunk(index: int | None, text: str, logprobs: dict | None = None, reason: str | None = None,
               usage_: dict | None = None) -> str:
         body: dict = {"id": f"cmpl-{job['request_id']}", "object": "text_completion",
@@ -186,23 +187,36 @@ def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterat
 
     def body():
         offsets: dict[int, int] = {}
-        held: list[dict] = []
+        prompt: tuple[str, list[dict]] | None = None if shape.echo else ("", [])
+        opened: set[int] = set()   # choices whose prompt was sent
+        held: list[dict] = []      # tokens that came before the prompt
+
+        def deliver(event: dict) -> Iterator[str]:
+            index = event.get("index", 0)
+            if shape.echo and index not in opened:
+                opened.add(index)
+                offsets[index] = len(prompt[0])
+                yield chunk(index, prompt[0], legacy_logprobs(prompt[1], 0) if shape.logprobs else None)
+            if event["event"] == "token":
+                yield token_chunk(event, offsets, chunk)
+
         for event in events:
             if event["event"] == "token":
-                if shape.echo:
+                if prompt is None and "prompt" in event:
+                    prompt = echoed(event)
+                if prompt is None:
                     held.append(event)
                     continue
-                yield token_chunk(event, offsets, chunk)
+                for waiting in held + [event]:
+                    yield from deliver(waiting)
+                held.clear()
             elif event["event"] == "done":
-                if shape.echo:
-                    prompt_text, prompt_logprobs = echoed(event)
-                    for c in choices_of(event):
-                        offsets[c["index"]] = len(prompt_text)
-                        yield chunk(c["index"], prompt_text,
-                                    legacy_logprobs(prompt_logprobs, 0) if shape.logprobs else None)
-                    for token in held:
-                        yield token_chunk(token, offsets, chunk)
+                if prompt is None:
+                    prompt = echoed(event)
+                for waiting in held:
+                    yield from deliver(waiting)
                 for c in choices_of(event):
+                    yield from deliver({"event": "done", "index": c["index"]})
                     yield chunk(c["index"], "", None, finish_reason(c["finish_reason"]))
                 if shape.include_usage:
                     yield chunk(None, "", usage_=usage(event))

@@ -31,6 +31,13 @@ class Answer:
     produced: dict[int, int] = field(default_factory=dict)   # choice -> characters this delivery has generated
     choices: dict[int, RequestFinished] = field(default_factory=dict)   # each choice's end, as it comes
     ends: queue.Queue[RequestFinished] = field(default_factory=queue.Queue)   # the request's last end
+    # An echo (/v1/completions): its prompt for the client, from the prompt's log-probabilities when asked
+    # (echo_waits: they come with choice 0's first delta), sent on that first delta, so the echo and the answer
+    # stream at once. Without it, or when it is lost, the end carries the prompt.
+    echo: Callable[[list[TokenLogprob | None] | None], dict] | None = None
+    echo_waits: bool = False
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    echoed: bool = False
 
     def unseen(self, text: str, index: int = 0, carries: bool = False) -> tuple[str, int] | None:
         """The part of a choice's next `text` that no client was sent yet, with its offset in that choice's answer.
@@ -121,6 +128,11 @@ class Publisher:
                     urgent |= answer is not None and not answer.produced.get(event.index)   # its first text
                 held[0].append(event.text)
                 held[1].extend(event.logprobs or ())
+            if isinstance(event, TokenDelta) and event.prompt_logprobs is not None:
+                with self.lock:
+                    answer = self.answers.get(event.request_id)
+                if answer is not None:
+                    answer.prompt_logprobs = event.prompt_logprobs
             elif isinstance(event, RequestFinished):
                 urgent = True   # its last text goes out before its end can
         if self.pending and (urgent or time.monotonic() - self.sent_at >= self.window_s):
@@ -151,6 +163,10 @@ class Publisher:
                 data["index"] = index
             if logprobs and self.describe is not None:
                 data["logprobs"] = [self.describe(entry) for entry in logprobs]
+            if (index == 0 and answer.echo is not None and not answer.echoed
+                    and (answer.prompt_logprobs is not None or not answer.echo_waits)):
+                data["prompt"] = answer.echo(answer.prompt_logprobs)
+                answer.echoed = True
             events.append(event_for(answer.job, "token", data))
             if index == 0:
                 pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)

@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
+from functools import partial
 from datetime import UTC, datetime
 
 import redis
@@ -20,7 +21,7 @@ from messaging.jobs import ECHO
 from messaging.queue import visibility_timeout
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
-from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
+from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams, TokenLogprob
 from worker.engine.sizing import default_slots
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
@@ -132,13 +133,18 @@ class WorkerRuntime:
         waiting for the request."""
         publish_event(self.redis, job, event, payload)
 
-    def start_answer(self, job: dict, prompt_ids: list[int], params: SamplingParams, shown: int) -> Answer | None:
+    def start_answer(self, job: dict, prompt_ids: list[int], params: SamplingParams, shown: int,
+                     echo: str | None = None) -> Answer | None:
         """Submit a request to the engine; its text streams out from the publisher's thread, past the first
-        `shown` characters (what clients were sent by an earlier delivery). Bad requests raise here; None when
-        this worker is answering the request already."""
+        `shown` characters (what clients were sent by an earlier delivery). `echo`: the prompt's text, for a
+        client that asked for it before the answer. Bad requests raise here; None when this worker is answering
+        the request already."""
         answer = self.publisher.track(job, shown)
         if answer is None:
             return None
+        if echo is not None:
+            answer.echo = partial(echoed_prompt, echo, prompt_ids, tokens=self.tokens)
+            answer.echo_waits = params.prompt_logprobs is not None
         try:
             # Queued by acceptance time: the task threads hand requests over in no particular order.
             self.engine.submit(job["request_id"], prompt_token_ids=prompt_ids, params=params,
@@ -359,14 +365,20 @@ def api_fields(job: dict, ends: list[RequestFinished], tokens: TokenJson | None,
         for e in ends]}
     if job.get(ECHO):
         first = ends[0]
-        prompt: dict = {"text": prompt_text(first.prompt_token_ids)}
-        if first.prompt_logprobs is not None and tokens is not None:
-            prompt["logprobs"] = [
-                tokens(entry) if entry is not None else
-                {**tokens.one(token, 0.0), "logprob": None, "top_logprobs": None}
-                for token, entry in zip(first.prompt_token_ids, first.prompt_logprobs)]
-        fields["prompt"] = prompt
+        fields["prompt"] = echoed_prompt(prompt_text(first.prompt_token_ids), first.prompt_token_ids,
+                                         first.prompt_logprobs, tokens)
     return fields
+
+
+def echoed_prompt(text: str, ids: list[int], entries: list[TokenLogprob | None] | None,
+                  tokens: TokenJson | None) -> dict:
+    """An echo's prompt for its client: the text and, when asked, each prompt token's log-probabilities."""
+    prompt: dict = {"text": text}
+    if entries is not None and tokens is not None:
+        prompt["logprobs"] = [tokens(entry) if entry is not None else
+                              {**tokens.one(token, 0.0), "logprob": None, "top_logprobs": None}
+                              for token, entry in zip(ids, entries)]
+    return prompt
 
 
 def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int,

@@ -12,7 +12,7 @@ from celery.signals import (task_postrun, task_received, worker_init, worker_rea
 
 from messaging.contract import GENERATE_TASK
 from worker import assistant
-from messaging.jobs import PROMPT, STRUCTURE, TOOLS, replayable
+from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable
 from structured import Structure, StructureError
 from worker.celery_app import celery
 from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams
@@ -111,7 +111,8 @@ def submit(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
             # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
             reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
             _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve, tools=job.get(TOOLS))
-        return rt.start_answer(job, prompt_ids, params, shown)
+        echo = prompt_text(rt, job, prompt_ids) if job.get(ECHO) else None
+        return rt.start_answer(job, prompt_ids, params, shown, echo)
     except (InvalidRequestError, InvalidParamsError, StructureError) as exc:
         if "already in use" in str(exc):   # the same request is being answered in this process
             return None

@@ -477,11 +477,14 @@ class LLMEngine:
         seq.token_ids.append(token)
         if entry is not None:
             seq.logprobs.append(entry)
+        prompt = None
         if seq.first_token_time is None:
             seq.first_token_time = now
+            if seq.index == 0:
+                prompt = seq.prompt_logprobs_result()
         text = seq.detokenizer.push([token])
         events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
-                                          logprobs=[entry] if entry is not None else None)]
+                                          logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]
         if seq.detokenizer.stopped:
             return events + self._finish(seq, "stop")
         if token in self.eos_ids and not seq.params.ignore_eos:

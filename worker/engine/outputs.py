@@ -24,6 +24,9 @@ class TokenDelta:
     finished: bool = False
     index: int = 0            # the choice (0 .. n-1) these tokens belong to
     logprobs: list[TokenLogprob] | None = None   # one per token in token_ids, when the request asked
+    # On choice 0's first delta, when the request asked for prompt log-probabilities: one per prompt token (the
+    # first is None), so an echo can stream before the answer ends.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

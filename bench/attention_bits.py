@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     attends = {"sdpa": sdpa}
     if cpu_kernel.load() is not None:
         attends["kernel"] = kernel
-    print(f"{'attention':<9} {'prompt':>6} {'rows unlike in a shorter prefix':>32} {'rows unlike as a decode step':>29}")
+    print(f"{'attention':<9} {'prompt':>6} {'rows unlike in a shorter prefix':>32} "
+          f"{'rows unlike as a decode step':>29}")
     for name, attend in attends.items():
         for length in (int(x) for x in args.lengths.split(",")):
             prefix, decode = rows_that_differ(attend, length, heads, kv_heads, head_dim, seed=length)

@@ -545,8 +545,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: per device)")
     parser.add_argument("--weights", default=None,
-                        help="weight precision, as WEIGHTS: float32, int4, int8, bfloat16, w8a8 (default: env WEIGHTS, "
-                             "else the loader's default); `python -m bench.weights` compares several")
+                        help="weight precision, as WEIGHTS: float32, int4, int8, bfloat16, w8a8, or auto (the worker's "
+                             "default); default: env WEIGHTS, else float32 (the weights as stored); "
+                             "`python -m bench.weights` compares several")
     parser.add_argument("--slots", type=int, default=16, help="batch slots N for static, transformers_cb and engine")
     parser.add_argument("--best-slots", type=int, default=None,
                         help=f"engine_best max_num_seqs (default: number of requests, at most {BEST_SLOTS_CAP})")

@@ -99,7 +99,8 @@ class Direct:
             torch.set_num_threads(len(self.placement.engine))
         with self.placement.engine_thread():
             # The worker's WEIGHTS, read the worker's way: both sides run the same precision.
-            self.engine = LLMEngine(*load_model(model_name, weights=weights_setting()), EngineConfig(max_num_seqs=slots))
+            loaded = load_model(model_name, weights=weights_setting())
+            self.engine = LLMEngine(*loaded, EngineConfig(max_num_seqs=slots))
 
     def _add(self, q: dict, cap: int) -> None:
         from worker.engine import SamplingParams

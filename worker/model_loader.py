@@ -229,16 +229,16 @@ def quantized_spec(source: ModelSource) -> QuantSpec | None:
 
 def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, dt: torch.dtype,
                        attn_implementation: str, weights: str | None):
-    """A GPTQ or AWQ 4-bit directory. On the CPU with WEIGHTS unset or auto its quantised linears run on the int4 kernel
-    from the checkpoint's own codes and everything else stays as stored; WEIGHTS=int4 also quantises the rest (the
-    lm_head, the embedding) as for any model; float32 de-quantises to dense `dt` weights, and int8 and bfloat16
-    swap those as for any model. On CUDA the checkpoint is de-quantised to `dt`."""
+    """A GPTQ or AWQ 4-bit directory. On the CPU with WEIGHTS unset or auto its quantised linears run on the int4
+    kernel from the checkpoint's own codes and everything else stays as stored; WEIGHTS=int4 also quantises the
+    rest (the lm_head, the embedding) as for any model; float32 de-quantises to dense `dt` weights, and int8,
+    bfloat16 and w8a8 swap those as for any model. On CUDA the checkpoint is de-quantised to `dt`."""
     from transformers import AutoTokenizer
 
     from worker.gptq_awq import CheckpointError, load_quantized
 
     off_cpu = f": the {spec.label} checkpoint is then de-quantised to DTYPE"
-    auto = not weights or weights.strip().lower() == AUTO   # the checkpoint's own int4 is the measured best here
+    auto = not weights or weights.strip().lower() == AUTO   # auto keeps the checkpoint's own int4 layers
     precision = None if auto else pick_weights(dev, weights, off_cpu, dt)
     int4 = dev.type == "cpu" and precision in (None, "int4")
     if not int4:

@@ -118,6 +118,11 @@ class Publisher:
         """Take in a step's events; send what is due (everything, once the window has passed)."""
         urgent = False
         for event in events:
+            if isinstance(event, TokenDelta) and event.prompt_logprobs is not None:
+                with self.lock:
+                    answer = self.answers.get(event.request_id)
+                if answer is not None:   # for an echo, sent with choice 0's first text
+                    answer.prompt_logprobs = event.prompt_logprobs
             if isinstance(event, TokenDelta) and (event.text or event.logprobs):
                 key = (event.request_id, event.index)
                 held = self.pending.get(key)
@@ -128,11 +133,6 @@ class Publisher:
                     urgent |= answer is not None and not answer.produced.get(event.index)   # its first text
                 held[0].append(event.text)
                 held[1].extend(event.logprobs or ())
-            if isinstance(event, TokenDelta) and event.prompt_logprobs is not None:
-                with self.lock:
-                    answer = self.answers.get(event.request_id)
-                if answer is not None:
-                    answer.prompt_logprobs = event.prompt_logprobs
             elif isinstance(event, RequestFinished):
                 urgent = True   # its last text goes out before its end can
         if self.pending and (urgent or time.monotonic() - self.sent_at >= self.window_s):

@@ -152,9 +152,9 @@ AUTO = "auto"   # WEIGHTS unset in the worker and `make chat`: the measured best
 
 
 def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
-    """WEIGHTS=auto: w8a8 on a CPU that lists VNNI, running float32 (there the fastest precision at 16 and 48 slots,
-    at half float32's memory, and closer to float32's answers than the GGUF's own int4: docs/BENCHMARKS.md);
-    float32 everywhere else, where w8a8 is unmeasured or does not run."""
+    """WEIGHTS=auto: w8a8 on a CPU that lists VNNI, running float32 (on the AMD EPYC machines measured, the fastest
+    precision at 16 and 48 slots, at half float32's memory, and closer to float32's answers than the GGUF's own
+    int4: docs/BENCHMARKS.md); float32 everywhere else, where w8a8 is unmeasured or does not run."""
     from worker.engine import cpu_kernel
 
     if device.type == "cpu" and dtype == torch.float32 and cpu_kernel.has_vnni():

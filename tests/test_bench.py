@@ -289,3 +289,18 @@ def test_attention_bits_finds_the_kernel_gives_every_row_its_bits_at_any_length_
     attention_bits.main(["--lengths", "20"])
     out = capsys.readouterr().out
     assert "kernel        20                             0/19                          0/20" in out
+
+
+def test_weights_bench_reports_each_precisions_agreement_on_a_tiny_model(tiny_dir, tmp_path):
+    from bench import weights as weights_bench
+    from worker.engine import cpu_kernel
+
+    rows = weights_bench.main(["--model", str(tiny_dir), "--weights", "float32,w8a8", "--slots", "2", "--limit", "3",
+                               "--agree", "2", "--json", str(tmp_path / "weights.json")])
+    assert set(rows) == {"float32", "w8a8"}
+    for row in rows.values():
+        assert row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 0 and row["loglik_of_float32_answers"] < 0
+        assert row["equal_to_engine_alone"] == "2/2"
+        assert row["equal_to_generate_on_kernel"] == ("2/2" if cpu_kernel.load() is not None else "-")
+    assert rows["float32"]["answers_as_float32"] == "3/3"
+    assert json.loads((tmp_path / "weights.json").read_text()) == rows

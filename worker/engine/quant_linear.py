@@ -9,9 +9,9 @@ w8a8 (int8 weights per output channel, int8 activations per row, quantised as th
 `torch._int_mm`, whose int32 sums are exact; layers that read one input share one quantisation and one matmul
 (Int8Matmul). The rest of the model (norms, attention, residuals, the KV cache) stays as it was. Every kernel here
 computes a row on its own, so a row's result does not depend on how many rows share the call (tested), nor do the
-engine's greedy answers depend on the batch. They equal per-prompt `generate` where the attention arithmetic agrees
-to the bit (the tiny test models); on the default model the rounding of each layer's input turns the last-bit
-differences between the engine's attention and SDPA into other tokens for some prompts (docs/BENCHMARKS.md).
+engine's greedy answers depend on the batch. They equal per-prompt `generate` run on the engine's attention
+arithmetic (attention.kernel_reference); against `generate` on SDPA, the rounding of each layer's input turns the
+last-bit differences between the two attentions into other tokens for some prompts (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -132,9 +132,8 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        w = weight.detach().float()
-        scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(KERNEL_DTYPE)
-        self.register_buffer("weight", torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8))
+        codes, scales = int8_per_channel(weight, KERNEL_DTYPE)   # the kernel takes bf16 scales
+        self.register_buffer("weight", codes)
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
 
@@ -178,11 +177,13 @@ class BF16Linear(nn.Module):
         return self._run(torch.eye(self.in_features, dtype=KERNEL_DTYPE)).t().float()
 
 
-def int8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-output-channel int8: codes [N, K] in -127..127 and float32 scales [N], w ~ codes * scales."""
+def int8_per_channel(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: codes [N, K] in -127..127 and scales [N] in `scale_dtype` (the codes are
+    made against the scales as stored), w ~ codes * scales."""
     w = weight.detach().float()
-    scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny)
-    return torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+    scales = (w.abs().amax(1) / 127).clamp_min(torch.finfo(torch.float32).tiny).to(scale_dtype)
+    return torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8), scales
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -49,7 +49,7 @@ test: install audit browser compose-tool
 # abi3 wheels transformers needs, and the default model's tokenizer (about 25 MB). Copy .gpu-kit there with
 # the repository.
 GPU_KIT_WHEELS := transformers==5.23.0 tokenizers==0.23.3 safetensors==0.8.0 huggingface_hub==2.4.0 \
-	psutil==7.2.2 tqdm==4.70.1
+	psutil==7.2.2 tqdm==4.70.1 llguidance==1.9.1
 gpu-kit: install
 	rm -rf .gpu-kit && mkdir -p .gpu-kit/wheels
 	$(PY) -m pip download --quiet --only-binary=:all: --dest .gpu-kit/wheels $(GPU_KIT_WHEELS)

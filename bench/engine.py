@@ -591,7 +591,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "sort (default: 256 on CPU, a full sort elsewhere)")
     parser.add_argument("--overlap", choices=("on", "off"), default=None,
                         help="the engine's overlapped steps (EngineConfig.overlap_steps): the next step runs "
-                             "while this one's tokens are read back (default: the device's, on on CUDA, off on CPU)")
+                             "while this one's tokens are read back (default: the device's, off)")
     parser.add_argument("--ablate", action="store_true",
                         help="also run engine_dense: the engine with N slots on dense (unpacked) CPU matmuls")
     parser.add_argument("--baseline", choices=("llamacpp",), default=None,

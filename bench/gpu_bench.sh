@@ -6,9 +6,11 @@
 #
 #   bash bench/gpu_bench.sh PART [OUT]
 #
-# PART: check | steps | sampler | overlap | mixed | memory | w256 | nano | budget | backend | all
+# PART: first | trace | check | steps | sampler | overlap | mixed | memory | w256 | nano | budget | backend | all
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results). Every run of a part is
 # made even when an earlier one fails; the script then exits 1 and names the failed runs (failed.txt).
+# RUN_TIMEOUT=S stops any one run after S seconds (recorded as failed), so a short lease still gets the
+# runs after a hung one.
 set -uo pipefail
 part=${1:-check}
 out=${2:-${OUT:-gpu-results}}
@@ -18,12 +20,15 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 failed=()
 
-if [ ! -f "$site/.installed" ]; then
+# The unpacked kit is kept between calls on a warm machine, and unpacked afresh when the kit's wheels change.
+wheels=$(cd "$kit/wheels" && ls *.whl)
+if [ "$(cat "$site/.installed" 2>/dev/null)" != "$wheels" ]; then
+    rm -rf "$site"
     # A wheel is a zip of what goes on the path: unpacking it needs no pip.
     for wheel in "$kit"/wheels/*.whl; do
         "$py" -m zipfile -e "$wheel" "$site" || { echo "cannot unpack $wheel" >&2; exit 1; }
     done
-    touch "$site/.installed"
+    echo "$wheels" > "$site/.installed"
 fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$py" - <<'EOF' | tee "$out/versions.txt" || exit 1
@@ -36,13 +41,39 @@ EOF
 bench() {   # bench NAME ARGS...: one run, its log and JSON kept; a crash is recorded, not hidden by the pipe
     local name=$1; shift
     echo "== $name: python -m bench $*" | tee -a "$out/commands.txt"
-    if ! "$py" -m bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 \
+    if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench --model "$kit/model" "$@" --json "$out/$name.json" 2>&1 \
             | { grep -v 'req/s\]' || true; } | tee "$out/$name.log"; then
         echo "!! $name failed" | tee -a "$out/failed.txt"
         failed+=("$name")
     fi
 }
 
+case $part in
+first)       # a first look that fits one short lease, most telling first: greedy equivalence through the graphs,
+             # nano's shape (engine alone), where a decode step's time goes, and the engine without overlap
+    bench check-flex --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex \
+        --skip static,transformers_cb,engine_best
+    bench nano-engine --workload nano --random-weights qwen3-0.6b --slots 256 \
+        --skip static,reference,transformers_cb,engine_best
+    bench steps-flex --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --decode flex
+    bench nano-engine-no-overlap --workload nano --random-weights qwen3-0.6b --slots 256 --overlap off \
+        --skip static,reference,transformers_cb,engine_best
+    bench w256 --workload workload-256 --random-weights smollm2-135m --slots 64 --skip reference,static ;;
+esac
+case $part in
+trace|all)   # every step of nano's shape timed by kind (decode-only or mixed), with the first mixed steps profiled
+             # (host and device time by operator), for each attention backend of eager steps
+    for b in flex gather; do
+        name="trace-$b"
+        echo "== $name: ATTENTION_BACKEND=$b python -m bench.step_trace" | tee -a "$out/commands.txt"
+        if ! ATTENTION_BACKEND=$b timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.step_trace --model "$kit/model" \
+                --random-weights qwen3-0.6b --max-seconds 90 --json "$out/$name.json" > "$out/$name.log" 2>&1; then
+            echo "!! $name failed" | tee -a "$out/failed.txt"
+            failed+=("$name")
+        fi
+        grep -A5 "^kind" "$out/$name.log"
+    done ;;
+esac
 case $part in
 check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions, overlapped (the
              # CUDA default) and not; mixed steps read cached context in place (the gather backend on CUDA)
@@ -68,7 +99,7 @@ sampler|all) # sampled against greedy steps: a full sort per step (the GPU defau
     done ;;
 esac
 case $part in
-overlap|all) # each step's tokens read back while the next step runs (the CUDA default), against at once
+overlap|all) # each step's tokens read back while the next step runs, against at once (the default)
     for o in off on; do
         bench "overlap-$o" --workload nano --random-weights qwen3-0.6b --slots 256 --overlap "$o" \
             --skip static,reference,transformers_cb,engine_best
@@ -115,7 +146,7 @@ backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every
     done ;;
 esac
 case $part in
-check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
+first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
 *) echo "unknown part '$part'" >&2; exit 2 ;;
 esac
 

@@ -95,7 +95,8 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
     assert not kv[:, 0].any()
 
 
-def test_backend_choice_follows_the_config_then_the_device():
+def test_backend_choice_follows_the_config_then_the_device(monkeypatch):
+    monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
     cpu = torch.device("cpu")
     assert attention.choose_backend("gather", cpu, torch.float32) == "gather"
     assert attention.choose_backend(None, cpu, torch.bfloat16) == "gather"
@@ -105,6 +106,11 @@ def test_backend_choice_follows_the_config_then_the_device():
         attention.choose_backend("kernel", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="Unknown attention backend"):
         attention.choose_backend("flash", cpu, torch.float32)
+    # CUDA (no device needed to choose): flex where its kernel takes the block size, else gather, as asked
+    cuda = torch.device("cuda")
+    assert attention.choose_backend(None, cuda, torch.bfloat16) == "flex"
+    assert attention.choose_backend(None, cuda, torch.float32, block_size=8) == "gather"
+    assert attention.choose_backend("gather", cuda, torch.bfloat16) == "gather"
 
 
 def test_without_a_compiler_the_gather_backend_runs(monkeypatch, tmp_path):

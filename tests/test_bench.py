@@ -304,3 +304,22 @@ def test_weights_bench_reports_each_precisions_agreement_on_a_tiny_model(tiny_di
         assert row["equal_to_generate_on_kernel"] == ("2/2" if cpu_kernel.load() is not None else "-")
     assert rows["float32"]["answers_as_float32"] == "3/3"
     assert json.loads((tmp_path / "weights.json").read_text()) == rows
+
+
+def test_step_trace_times_every_step_by_kind_and_profiles_a_mixed_one(tiny_config, capsys):
+    from bench import step_trace
+
+    result = step_trace.main(["--random-weights", str(tiny_config), "--device", "cpu", "--requests", "4",
+                              "--lengths", "8,16", "--slots", "2", "--budget", "8", "--profile", "1"])
+    requests = bench.nano_workload(4, (8, 16))
+    steps = result["steps"]
+    # Every prompt token and every token after a request's first is one row of one step (a prompt's last
+    # token may run as a decode row).
+    rows = sum(len(r.prompt_ids) + r.cap - 1 for r in requests)
+    assert sum(s["prefill"] + s["decodes"] for s in steps) == rows
+    assert sum(s["prefill"] for s in steps) >= rows - sum(r.cap for r in requests)
+    assert all(s["wall_ms"] > 0 for s in steps)
+    profiled = [s for s in steps if s["profiled"]]
+    assert len(profiled) == 1 and profiled[0]["prefill"]
+    out = capsys.readouterr().out
+    assert "-- by host time" in out and "finished" in out and "\nmixed " in out

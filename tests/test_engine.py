@@ -676,7 +676,7 @@ def test_an_overlapped_request_cancelled_in_flight_keeps_only_tokens_read_back(t
 def test_overlapped_steps_are_off_by_default_on_cpu(tiny):
     model, tok = tiny
     engine = LLMEngine(model, tok, EngineConfig(num_blocks=64))
-    assert engine.config.overlap_steps is False   # resolved from the device's default (on on CUDA)
+    assert engine.config.overlap_steps is False   # resolved from the device's default
     engine.add_request("a", prompt_token_ids=chat_ids(tok, QUESTIONS[0]), params=greedy(5))
     assert [e.token_ids for e in engine.step() if isinstance(e, TokenDelta)] != []   # tokens come out at once
     assert engine.seqs["a"].pending is None

@@ -130,8 +130,8 @@ def test_the_runner_sizes_a_cpu_engine_by_the_cpu_rule(tiny):
     assert GIB - pool_bytes < pool_bytes / engine.runner.num_blocks   # 1 GiB, to the block
 
 
-def test_steps_overlap_by_default_on_cuda_only_and_as_set_everywhere():
-    assert overlap_for(EngineConfig(), "cuda") is True
+def test_steps_overlap_only_when_set():
+    assert overlap_for(EngineConfig(), "cuda") is False
     assert overlap_for(EngineConfig(), "cpu") is False
     for device in ("cpu", "cuda"):
         assert overlap_for(EngineConfig(overlap_steps=True), device) is True

@@ -69,7 +69,7 @@ class WorkerSettings:
     # each context out. Unset: "flex", else "gather" when flex does not compile or capture.
     decode_attention: str | None = field(default_factory=lambda: os.environ.get("DECODE_ATTENTION") or None)
     # "1": each step's tokens are read back while the next step runs (EngineConfig.overlap_steps); "0": not.
-    # Unset: the device's default, on on CUDA and off on CPU.
+    # Unset: the device's default (off).
     overlap_steps: bool | None = field(default_factory=lambda: _switch("OVERLAP_STEPS", off=False))
     gpu_memory_utilization: float = field(default_factory=lambda: _float("GPU_MEMORY_UTILIZATION", 0.9))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.

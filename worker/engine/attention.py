@@ -25,6 +25,7 @@ batch dimensions of one SDPA call, and the query heads that share a KV head are 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -89,8 +90,11 @@ def set_context(ctx: StepContext | None) -> None:
     _local.ctx = ctx
 
 
-def choose_backend(requested: str | None, device: torch.device, dtype: torch.dtype) -> str:
-    """The backend to run: the one asked for (EngineConfig or ATTENTION_BACKEND), else the device's best."""
+def choose_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int = 16) -> str:
+    """The backend to run: the one asked for (EngineConfig or ATTENTION_BACKEND), else the device's best: the C
+    kernel on a CPU in float32, "flex" on CUDA where its kernel takes the block size (measured on an H200:
+    mixed steps 8x faster than "gather", whose per-chunk SDPA calls cost host time for every new prompt
+    length; docs/BENCHMARKS.md, "GPU"), else "gather"."""
     requested = requested or os.environ.get("ATTENTION_BACKEND") or None
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"Unknown attention backend {requested!r}; choose one of {', '.join(BACKENDS)}.")
@@ -102,6 +106,8 @@ def choose_backend(requested: str | None, device: torch.device, dtype: torch.dty
         if cpu_kernel.load() is not None:
             return "kernel"
         log.warning("attention backend 'kernel' unavailable: using 'gather'")
+    if requested is None and device.type == "cuda" and flex.fits(device, block_size):
+        return "flex"
     return "flex" if requested == "flex" else "gather"
 
 
@@ -277,9 +283,24 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
         rows = torch.arange(first, chunk.context, device=q.device)
         mask = torch.arange(chunk.context, device=q.device)[None, :] <= rows[:, None]
         causal = False
-    o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
-                                       scale=scaling, enable_gqa=heads != kv_heads)
+    with _sdpa_backends(q.device):
+        o = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, is_causal=causal,
+                                           scale=scaling, enable_gqa=heads != kv_heads)
     return o[0]
+
+
+# SDPA backends for prefill chunks on CUDA, in order: cuDNN's is left out, since it plans a graph on the host for
+# every new query length (1.4 ms a call on an H200, 0.6 s a step of 15 chunks on 28 layers), and every prompt
+# has its own length. Flash takes grouped-query attention in bf16/fp16; the math backend takes everything else.
+_CUDA_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def _sdpa_backends(device: torch.device):
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, name) for name in _CUDA_SDPA], set_priority=True)
 
 
 def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

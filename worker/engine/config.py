@@ -18,12 +18,12 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see packed_linear.py)
     enforce_eager: bool | None = None    # None: decode graphs on CUDA, eager on CPU; False on CPU: static buffers
-    attention_backend: str | None = None  # "kernel" or "gather"; None: $ATTENTION_BACKEND, else the device's best
+    attention_backend: str | None = None  # "kernel", "gather" or "flex"; None: $ATTENTION_BACKEND, else the device's best
     decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";
                                          # None: $DECODE_ATTENTION, else "flex", falling back to "gather"
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
-                                         # runs (engine.py); None: on on CUDA, off on CPU (sizing.py), where
-                                         # it would only delay every token by a step
+                                         # runs (engine.py); None: off (sizing.py: measured slower on an
+                                         # H200; on a CPU it would only delay every token by a step)
     sampler_candidates: int | None = None  # CPU: top-k/top-p searched among this many best tokens first (0: the
                                            # device path); None: 256. Elsewhere never: no host reads (sampler.py)
 

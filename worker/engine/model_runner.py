@@ -68,7 +68,8 @@ class ModelRunner:
         # the padding rows of bucketed decode steps; the block manager never hands it out.
         self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks + 1, config.block_size, head_dim,
                               dtype=self.dtype, device=self.device)
-        self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype)
+        self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype,
+                                                            config.block_size)
         log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
         eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
         if self.attention_backend == "flex" or not eager or self.device.type == "cuda":

@@ -323,3 +323,19 @@ def test_step_trace_times_every_step_by_kind_and_profiles_a_mixed_one(tiny_confi
     assert len(profiled) == 1 and profiled[0]["prefill"]
     out = capsys.readouterr().out
     assert "-- by host time" in out and "finished" in out and "\nmixed " in out
+
+
+def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64():
+    from worker.engine import cpu_kernel
+
+    if cpu_kernel.load() is None:
+        pytest.skip("no C compiler for the paged-attention kernel")
+    from bench import attention_kernel
+
+    result = attention_kernel.main(["--contexts", "20,40", "--rows", "2", "--chunk", "8", "--repeats", "2"])
+    rows = result["rows"]
+    assert [(r["shape"], r["context"]) for r in rows] == [
+        (name, context) for name, *_ in attention_kernel.SHAPES for context in (20, 40, 32)]
+    for row in rows:
+        assert row["err_portable"] < 1e-5 and row["err_avx512"] < 1e-5
+        assert row["portable_us"] > 0 and row["avx512_us"] > 0

@@ -55,9 +55,9 @@ def _compiler() -> str | None:
 
 
 @cache
-def load() -> ctypes.CDLL | None:
+def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled paged-attention kernel, or None (logged) when there is no compiler or the build fails."""
-    lib = _build(SOURCE, "paged-attention kernel", "falling back to gathering the context")
+    lib = _build(SOURCE, "paged-attention kernel", "falling back to gathering the context", flags)
     if lib is not None:
         lib.paged_attention_f32.argtypes = ARGTYPES
         lib.paged_attention_f32.restype = ctypes.c_int
@@ -75,20 +75,21 @@ def load_int8_rows() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(path: Path, what: str, fallback: str) -> ctypes.CDLL | None:
+def _build(path: Path, what: str, fallback: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """flags: more compiler flags (benchmarks build variants with them, e.g. -DPAGED_PORTABLE)."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler (cc/gcc) found for the %s: %s", what, fallback)
         return None
     source = path.read_bytes()
-    key = hashlib.sha256(source + " ".join([cc, *FLAGS, _cpu_identity()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cc, *FLAGS, *flags, _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{path.stem}-{key}.so"
     try:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *FLAGS, str(path), "-o", str(built), "-lm"], check=True,
+                subprocess.run([cc, *FLAGS, *flags, str(path), "-o", str(built), "-lm"], check=True,
                                capture_output=True, text=True, timeout=120)
                 built.rename(target)   # atomic: a half-written library is never loaded
             log.info("compiled the %s: %s", what, target)

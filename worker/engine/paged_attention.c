@@ -12,9 +12,15 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) && !defined(PAGED_PORTABLE)   /* PAGED_PORTABLE: the portable path only */
+#define PAGED_AVX512 1
+#include <immintrin.h>
+#endif
 
 #define TILE_ROWS 8      /* query rows of one sequence attended together */
 #define MAX_GROUP 16     /* query heads per KV head */
+#define LANES 16         /* floats in an AVX-512 register */
+#define PV_QUERIES 4     /* queries whose outputs the AVX-512 path accumulates in registers together */
 
 static void write_kv(const float *src, int64_t tok_stride, int64_t head_stride, float *cache,
                      int64_t num_blocks, int block_size, int kv_heads, int head_dim,
@@ -93,6 +99,136 @@ static void attend_tile(const float *q, int64_t q_tok, int64_t q_head, const flo
     }
 }
 
+#ifdef PAGED_AVX512
+/* Sixteen dot products at once: lane t of the result is the sum of a[t]'s lanes, by a fixed tree of shuffles
+ * (so every score's arithmetic is the same whatever the tile around it). */
+static inline __m512 sum16(__m512 a[LANES]) {
+    __m512 b[8], c[4], d[2];
+    for (int j = 0; j < 8; j++)
+        b[j] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * j], a[2 * j + 1]), _mm512_unpackhi_ps(a[2 * j], a[2 * j + 1]));
+    for (int j = 0; j < 4; j++)
+        c[j] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0x44),
+                             _mm512_shuffle_ps(b[2 * j], b[2 * j + 1], 0xEE));
+    for (int j = 0; j < 2; j++)
+        d[j] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(c[2 * j], c[2 * j + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
+}
+
+/* exp(x) for x <= 0 (scores less their maximum): Cephes' single-precision polynomial on x - n ln 2, scaled by
+ * 2^n; within 2 ulp of expf, and 0 below -87. */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* attend_tile for a head size that is a multiple of 16 (at most 256): each run of 16 keys' scores come from one
+ * register tree (sum16), and each query's output stays in registers over the keys,
+ * PV_QUERIES queries at a time, so a value row is loaded once for them. A query's scores and output are
+ * computed the same way whichever rows share its tile, as in the portable path. */
+static inline __attribute__((always_inline)) void attend_tile_avx512(
+        const int chunks, const float *q, int64_t q_tok, int64_t q_head, const float *k_cache, const float *v_cache,
+        int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table, const int32_t *row_pos,
+        int t0, int rows, int kvh, float scale, float *out, int64_t o_tok, int64_t o_head, float *scores,
+        int64_t *row_at) {
+    const int n = rows * group;
+    const int ctx = row_pos[t0 + rows - 1] + 1;
+    const int stride = (ctx + LANES - 1) / LANES * LANES;   /* a query's scores, padded to whole runs of keys */
+    /* Queries accumulated together: as many as keep their outputs in registers. */
+    const int together = chunks <= 4 ? PV_QUERIES : (chunks <= 8 ? 2 : 1);
+    const int64_t head_base = (int64_t)kvh * num_blocks * block_size;
+    /* Each key's row in the pool; the last run's keys past the context read key 0's row, and are masked. */
+    for (int j = 0; j < stride; j++) {
+        const int key = j < ctx ? j : 0;
+        row_at[j] = (head_base + (int64_t)table[key / block_size] * block_size + key % block_size) * head_dim;
+    }
+    int limit[TILE_ROWS * MAX_GROUP];
+    const float *qp[TILE_ROWS * MAX_GROUP];
+    for (int r = 0; r < rows; r++) {
+        for (int g = 0; g < group; g++) {
+            qp[r * group + g] = q + (int64_t)(t0 + r) * q_tok + (int64_t)(kvh * group + g) * q_head;
+            limit[r * group + g] = row_pos[t0 + r] + 1;
+        }
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int i = 0; i < n; i++) {
+        __m512 qv[LANES];
+        for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qp[i] + c * LANES);
+        const int blocks = (limit[i] + LANES - 1) / LANES;
+        for (int b = 0; b < blocks; b++) {
+            __m512 a[LANES];
+            for (int t = 0; t < LANES; t++) {
+                const float *kt = k_cache + row_at[b * LANES + t];
+                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
+                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + c * LANES), acc);
+                a[t] = acc;
+            }
+            _mm512_storeu_ps(scores + (int64_t)i * stride + b * LANES, _mm512_mul_ps(sum16(a), vscale));
+        }
+    }
+    float inv_sum[TILE_ROWS * MAX_GROUP];
+    for (int i = 0; i < n; i++) {
+        float *s = scores + (int64_t)i * stride;
+        const int m = limit[i];
+        const int whole = m / LANES * LANES;
+        const __mmask16 tail = (__mmask16)((1u << (m - whole)) - 1);
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int j = 0; j < whole; j += LANES) vmax = _mm512_max_ps(vmax, _mm512_loadu_ps(s + j));
+        vmax = _mm512_mask_max_ps(vmax, tail, vmax, _mm512_maskz_loadu_ps(tail, s + whole));
+        const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+        __m512 vsum = _mm512_setzero_ps();
+        for (int j = 0; j < whole; j += LANES) {
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mx));
+            _mm512_storeu_ps(s + j, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        if (tail) {   /* the last block's keys past this query's position weigh nothing */
+            const __m512 e = _mm512_maskz_mov_ps(tail, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + whole), mx)));
+            _mm512_storeu_ps(s + whole, e);
+            vsum = _mm512_add_ps(vsum, e);
+        }
+        for (int j = tail ? whole + LANES : whole; j < ctx; j++) s[j] = 0.f;
+        inv_sum[i] = 1.f / _mm512_reduce_add_ps(vsum);
+    }
+    for (int i0 = 0; i0 < n; i0 += together) {
+        const int nq = n - i0 < together ? n - i0 : together;
+        int last = 0;
+        for (int g = 0; g < nq; g++) last = limit[i0 + g] > last ? limit[i0 + g] : last;
+        __m512 acc[PV_QUERIES][LANES];
+        for (int g = 0; g < together; g++)
+            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
+        const float *sc[PV_QUERIES];
+        for (int g = 0; g < together; g++) sc[g] = scores + (int64_t)(i0 + (g < nq ? g : 0)) * stride;
+        for (int j = 0; j < last; j++) {
+            const float *vj = v_cache + row_at[j];
+            __m512 p[PV_QUERIES];
+            for (int g = 0; g < together; g++) p[g] = _mm512_set1_ps(sc[g][j]);
+            for (int c = 0; c < chunks; c++) {
+                const __m512 vc = _mm512_loadu_ps(vj + c * LANES);
+                for (int g = 0; g < together; g++) acc[g][c] = _mm512_fmadd_ps(p[g], vc, acc[g][c]);
+            }
+        }
+        for (int g = 0; g < nq; g++) {
+            const int i = i0 + g, r = i / group, h = i % group;
+            float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + h) * o_head;
+            const __m512 w = _mm512_set1_ps(inv_sum[i]);
+            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + c * LANES, _mm512_mul_ps(acc[g][c], w));
+        }
+    }
+}
+#endif
+
 /* Returns 0, or -1 when the shapes are outside what this kernel handles. */
 int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head,
                         const float *k, int64_t k_tok, int64_t k_head,
@@ -114,26 +250,47 @@ int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head,
     }
     tile_start[num_tiles] = num_tokens;
     const int64_t o_tok = (int64_t)heads * head_dim, o_head = head_dim;
+#ifdef PAGED_AVX512
+    const int vectorised = head_dim % LANES == 0 && head_dim <= LANES * LANES;
+#else
+    const int vectorised = 0;
+#endif
 
     #pragma omp parallel num_threads(num_threads)
     {
         write_kv(k, k_tok, k_head, k_cache, num_blocks, block_size, kv_heads, head_dim, slots, num_tokens);
         write_kv(v, v_tok, v_head, v_cache, num_blocks, block_size, kv_heads, head_dim, slots, num_tokens);
         /* The implicit barrier of the loops above: every new row is in the pool before any is read. */
-        float *scores = malloc(sizeof(float) * TILE_ROWS * group * (int64_t)max_context);
+        float *scores = malloc(sizeof(float) * TILE_ROWS * group * ((int64_t)max_context + LANES));
         float *acc = malloc(sizeof(float) * TILE_ROWS * group * (int64_t)head_dim);
+        int64_t *row_at = vectorised ? malloc(sizeof(int64_t) * ((int64_t)max_context + LANES)) : NULL;
         #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int tile = 0; tile < num_tiles; tile++) {
             for (int kvh = 0; kvh < kv_heads; kvh++) {
                 const int t0 = tile_start[tile];
                 const int rows = tile_start[tile + 1] - t0;
                 const int32_t *table = tables + (int64_t)row_seq[t0] * table_width;
+#ifdef PAGED_AVX512
+                if (vectorised) {   /* the common head sizes get their register layout fixed at compile time */
+#define ATTEND(chunks) attend_tile_avx512(chunks, q, q_tok, q_head, k_cache, v_cache, num_blocks, block_size, \
+                                          group, head_dim, table, row_pos, t0, rows, kvh, scale, out, o_tok, \
+                                          o_head, scores, row_at)
+                    switch (head_dim / LANES) {
+                        case 4: ATTEND(4); break;
+                        case 8: ATTEND(8); break;
+                        default: ATTEND(head_dim / LANES);
+                    }
+#undef ATTEND
+                    continue;
+                }
+#endif
                 attend_tile(q, q_tok, q_head, k_cache, v_cache, num_blocks, block_size, group, head_dim,
                             table, row_pos, t0, rows, kvh, scale, out, o_tok, o_head, scores, acc);
             }
         }
         free(scores);
         free(acc);
+        free(row_at);
     }
     free(tile_start);
     return 0;

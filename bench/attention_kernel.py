@@ -1,0 +1,136 @@
+"""The paged-attention C kernel's AVX-512 path against its portable path, in one run, on decode rows and a chunk.
+
+    python -m bench.attention_kernel [--contexts 64,256,1024] [--threads 2] [--json PATH]
+
+Both are built from worker/engine/paged_attention.c (the portable one with -DPAGED_PORTABLE) and called as the
+engine calls them, over a pool whose blocks are shuffled. Each figure is the median of `--repeats` calls;
+each output is checked against float64 attention over the same keys (relative error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from worker.engine import cpu_kernel
+
+# (name, query heads, KV heads, head size): the default model's shape and Qwen3-0.6B's
+SHAPES = [("smollm2-135m", 9, 3, 64), ("qwen3-0.6b", 16, 8, 128)]
+BLOCK_SIZE = 16
+
+
+def kernel(flags: tuple[str, ...]):
+    lib = cpu_kernel.load(flags)
+    if lib is None:
+        raise SystemExit("the paged-attention kernel did not build (no C compiler?)")
+    return lib.paged_attention_f32
+
+
+def case(heads: int, kv_heads: int, head_dim: int, rows: int, chunk: int, context: int, seed: int = 0) -> dict:
+    """`rows` sequences, each attending its last `chunk` positions (1: decode rows) at `context` tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    width = -(-context // BLOCK_SIZE)
+    num_blocks = rows * width + 1
+    kc = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    vc = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    tables = torch.randperm(num_blocks, generator=gen)[:rows * width].reshape(rows, width).to(torch.int32)
+    tokens = rows * chunk
+    q = torch.randn(tokens, heads, head_dim, generator=gen)
+    k = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    v = torch.randn(tokens, kv_heads, head_dim, generator=gen)
+    positions = [p for _ in range(rows) for p in range(context - chunk, context)]
+    row_seq = torch.tensor([r for r in range(rows) for _ in range(chunk)], dtype=torch.int32)
+    row_pos = torch.tensor(positions, dtype=torch.int32)
+    slots = torch.tensor([int(tables[s, p // BLOCK_SIZE]) * BLOCK_SIZE + p % BLOCK_SIZE
+                          for s, p in zip(row_seq.tolist(), positions)], dtype=torch.int64)
+    return dict(kc=kc, vc=vc, tables=tables, q=q, k=k, v=v, row_seq=row_seq, row_pos=row_pos, slots=slots,
+                heads=heads, kv_heads=kv_heads, head_dim=head_dim, width=width, context=context, tokens=tokens)
+
+
+def call(fn, c: dict, out: torch.Tensor, threads: int) -> None:
+    q, k, v = c["q"], c["k"], c["v"]
+    rc = fn(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), c["kc"].data_ptr(), c["vc"].data_ptr(), c["kc"].shape[1],
+            BLOCK_SIZE, c["heads"], c["kv_heads"], c["head_dim"], c["slots"].data_ptr(), c["tokens"],
+            c["row_seq"].data_ptr(), c["row_pos"].data_ptr(), c["tables"].data_ptr(), c["width"], c["context"],
+            c["head_dim"] ** -0.5, out.data_ptr(), threads)
+    if rc != 0:
+        raise RuntimeError("the kernel refused the shape")
+
+
+def reference(c: dict) -> torch.Tensor:
+    """float64 attention of every row over its sequence's keys up to its position (after the step's writes)."""
+    kv_heads, head_dim, heads = c["kv_heads"], c["head_dim"], c["heads"]
+    out = torch.empty(c["tokens"], heads, head_dim, dtype=torch.float64)
+    for t, (s, p) in enumerate(zip(c["row_seq"].tolist(), c["row_pos"].tolist())):
+        blocks = c["tables"][s].long()
+        keys = c["kc"][:, blocks].reshape(kv_heads, -1, head_dim)[:, :p + 1].double()
+        values = c["vc"][:, blocks].reshape(kv_heads, -1, head_dim)[:, :p + 1].double()
+        qr = c["q"][t].double().reshape(kv_heads, heads // kv_heads, head_dim)
+        weights = torch.softmax(qr @ keys.transpose(1, 2) * head_dim ** -0.5, -1)
+        out[t] = (weights @ values).reshape(heads, head_dim)
+    return out
+
+
+def timed(fn, c: dict, threads: int, repeats: int) -> tuple[float, torch.Tensor]:
+    out = torch.full((c["tokens"], c["heads"], c["head_dim"]), float("nan"))
+    for _ in range(3):
+        call(fn, c, out, threads)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call(fn, c, out, threads)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e6, out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", default="64,256,1024", help="decode rows' context lengths")
+    parser.add_argument("--rows", type=int, default=16, help="decode rows (sequences) per call")
+    parser.add_argument("--chunk", type=int, default=128, help="also one prefill chunk of this many rows (0: none)")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    variants = {"portable": kernel(("-DPAGED_PORTABLE",)), "avx512": kernel(())}
+    cases = []
+    for name, heads, kv_heads, head_dim in SHAPES:
+        for context in (int(x) for x in args.contexts.split(",")):
+            cases.append((name, f"{args.rows} decode rows", context,
+                          case(heads, kv_heads, head_dim, args.rows, 1, context)))
+        if args.chunk:
+            context = 4 * args.chunk
+            cases.append((name, f"chunk of {args.chunk}", context, case(heads, kv_heads, head_dim, 1, args.chunk,
+                                                                        context)))
+    rows = []
+    print(f"{'shape':14} {'rows':16} {'context':>7} {'portable_us':>12} {'avx512_us':>10} {'ratio':>6} "
+          f"{'err_portable':>12} {'err_avx512':>10}")
+    for name, what, context, c in cases:
+        call(variants["portable"], c, torch.empty(c["tokens"], c["heads"], c["head_dim"]), args.threads)
+        ref = reference(c)   # over the pool as a call leaves it: the step's own keys and values written
+        row = {"shape": name, "rows": what, "context": context}
+        for variant, fn in variants.items():
+            us, out = timed(fn, c, args.threads, args.repeats)
+            row[f"{variant}_us"] = us
+            row[f"err_{variant}"] = ((out.double() - ref).norm() / ref.norm()).item()
+        row["ratio"] = row["portable_us"] / row["avx512_us"]
+        rows.append(row)
+        print(f"{name:14} {what:16} {context:7d} {row['portable_us']:12.1f} {row['avx512_us']:10.1f} "
+              f"{row['ratio']:6.2f} {row['err_portable']:12.1e} {row['err_avx512']:10.1e}")
+    result = {"threads": args.threads, "rows": rows}
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -133,7 +133,7 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* attend_tile for a head size that is a multiple of 16 (at most 256): each run of 16 keys' scores come from one
+/* attend_tile for a head size that is a multiple of 16 (at most 256): each run of 16 keys gets its scores from one
  * register tree (sum16), and each query's output stays in registers over the keys,
  * PV_QUERIES queries at a time, so a value row is loaded once for them. A query's scores and output are
  * computed the same way whichever rows share its tile, as in the portable path. */

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -193,14 +194,14 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.div(x, scales).round_().to(torch.int8), scales
 
 
-@dataclass(frozen=True)
-class Held:
-    """An Int8Matmul's result for one input, kept until the members in `pending` have taken their columns."""
+class Held(NamedTuple):
+    """An Int8Matmul's result for one input, kept until the members in `pending` (a bit each) have taken their
+    columns. A tuple: it is made for every member's call, on the decode step's path."""
 
     input: torch.Tensor
     version: int
     result: torch.Tensor
-    pending: frozenset[int]
+    pending: int
 
 
 class Int8Matmul(nn.Module):
@@ -226,17 +227,18 @@ class Int8Matmul(nn.Module):
         self.held: Held | None = None
 
     def forward(self, x: torch.Tensor, member: int) -> torch.Tensor:
-        version, held = _version(x), self.held
-        if held is None or held.input is not x or held.version != version or member not in held.pending:
-            held = Held(x, version, self._run(x), frozenset(range(len(self.columns))))
-        pending = held.pending - {member}
+        version, held, bit = _version(x), self.held, 1 << member
+        if held is None or held.input is not x or held.version != version or not held.pending & bit:
+            held = Held(x, version, self._run(x), (1 << len(self.columns)) - 1)
+        pending = held.pending & ~bit
         # Replaced whole, never changed in place: a thread always reads an input and its own result together.
         self.held = Held(x, version, held.result, pending) if pending else None
         start, end = self.columns[member]
         return held.result if len(self.columns) == 1 else held.result[..., start:end]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.codes_t.shape[0]).float()
+        flat = x.reshape(-1, self.codes_t.shape[0])
+        flat = flat if flat.dtype == torch.float32 else flat.float()
         lib = cpu_kernel.load_int8_rows() if self.row_kernels else None
         if lib is None:
             codes, row_scales = quantize_rows(flat)
@@ -251,12 +253,13 @@ class Int8Matmul(nn.Module):
             lib.quantize_rows_s8(flat.data_ptr(), rows, cols, flat.stride(0), codes.data_ptr(),
                                  row_scales.data_ptr(), threads)
             acc = torch._int_mm(codes, self.codes_t)
-            out = torch.empty(acc.shape)
+            out = torch.empty(rows, acc.shape[1])
             lib.scale_rows_cols(acc.data_ptr(), rows, acc.shape[1], row_scales.data_ptr(), self.scales.data_ptr(),
                                 out.data_ptr(), threads)
         if self.bias is not None:
             out += self.bias
-        return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+        out = out if x.dtype == torch.float32 else out.to(x.dtype)
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def _version(x: torch.Tensor) -> int:
@@ -283,7 +286,7 @@ class W8A8Linear(nn.Module):
         return [cls(matmul, i) for i in range(len(linears))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.member)
+        return self.matmul.forward(x, self.member)   # not through Module.__call__: nothing hooks the shared matmul
 
     def dequantized(self) -> torch.Tensor:
         start, end = self.matmul.columns[self.member]

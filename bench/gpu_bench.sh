@@ -49,14 +49,15 @@ bench() {   # bench NAME ARGS...: one run, its log and JSON kept; a crash is rec
 }
 
 case $part in
-first)       # a first look that fits one short lease, most telling first: greedy equivalence through the graphs,
-             # nano's shape (engine alone), where a decode step's time goes, and the engine without overlap
+first)       # a first look that fits one short lease (about 7 minutes on an H200), most telling first: greedy
+             # equivalence through the graphs, nano's shape (engine alone, as by default), where a decode step's
+             # time goes, the engine with overlapped steps, and workload-256 against transformers CB
     bench check-flex --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex \
         --skip static,transformers_cb,engine_best
     bench nano-engine --workload nano --random-weights qwen3-0.6b --slots 256 \
         --skip static,reference,transformers_cb,engine_best
     bench steps-flex --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --decode flex
-    bench nano-engine-no-overlap --workload nano --random-weights qwen3-0.6b --slots 256 --overlap off \
+    bench nano-engine-overlap --workload nano --random-weights qwen3-0.6b --slots 256 --overlap on \
         --skip static,reference,transformers_cb,engine_best
     bench w256 --workload workload-256 --random-weights smollm2-135m --slots 64 --skip reference,static ;;
 esac
@@ -75,13 +76,13 @@ trace|all)   # every step of nano's shape timed by kind (decode-only or mixed), 
     done ;;
 esac
 case $part in
-check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions, overlapped (the
-             # CUDA default) and not; mixed steps read cached context in place (the gather backend on CUDA)
+check|all)   # greedy equivalence in float32 through the captured graphs, both decode attentions, steps not
+             # overlapped (the default) and overlapped; eager steps read the pool in place (flex, CUDA's default)
     for d in flex gather; do
         bench "check-$d" --random-weights smollm2-135m --dtype float32 --limit 16 --decode "$d" \
             --skip static,transformers_cb,engine_best
     done
-    bench check-no-overlap --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex --overlap off \
+    bench check-overlap --random-weights smollm2-135m --dtype float32 --limit 16 --decode flex --overlap on \
         --skip static,transformers_cb,engine_best ;;
 esac
 case $part in

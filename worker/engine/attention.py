@@ -26,6 +26,7 @@ batch dimensions of one SDPA call, and the query heads that share a KV head are 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -298,9 +299,16 @@ _CUDA_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 def _sdpa_backends(device: torch.device):
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
-    return sdpa_kernel([getattr(SDPBackend, name) for name in _CUDA_SDPA], set_priority=True)
+    return sdpa_kernel(_cuda_sdpa_order(), set_priority=True)
+
+
+@functools.cache
+def _cuda_sdpa_order() -> list:
+    from torch.nn.attention import SDPBackend
+
+    return [getattr(SDPBackend, name) for name in _CUDA_SDPA]
 
 
 def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

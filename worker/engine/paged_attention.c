@@ -216,7 +216,8 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
             for (int g = 0; g < together; g++) p[g] = _mm512_set1_ps(sc[g][j]);
             for (int c = 0; c < chunks; c++) {
                 const __m512 vc = _mm512_loadu_ps(vj + c * LANES);
-                for (int g = 0; g < together; g++) acc[g][c] = _mm512_fmadd_ps(p[g], vc, acc[g][c]);
+                for (int g = 0; g < together; g++)   /* a fixed bound keeps acc in registers; the tail's lanes idle */
+                    if (g < nq) acc[g][c] = _mm512_fmadd_ps(p[g], vc, acc[g][c]);
             }
         }
         for (int g = 0; g < nq; g++) {

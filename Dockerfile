@@ -8,7 +8,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# A C compiler builds the CPU paged-attention kernel on first use (worker/engine/cpu_kernel.py).
+# A C compiler builds the CPU paged-attention kernel on first use (worker/engine/native.py).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 

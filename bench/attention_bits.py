@@ -15,7 +15,7 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from worker.engine import attention, cpu_kernel
+from worker.engine import attention, native
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     heads, kv_heads, head_dim = (int(x) for x in args.shape.split(","))
     attends = {"sdpa": sdpa}
-    if cpu_kernel.load() is not None:
+    if native.load() is not None:
         attends["kernel"] = kernel
     print(f"{'attention':<9} {'prompt':>6} {'rows unlike in a shorter prefix':>32} "
           f"{'rows unlike as a decode step':>29}")

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from worker.engine import cpu_kernel
+from worker.engine import native
 
 # (name, query heads, KV heads, head size): the default model's shape and Qwen3-0.6B's
 SHAPES = [("smollm2-135m", 9, 3, 64), ("qwen3-0.6b", 16, 8, 128)]
@@ -27,7 +27,7 @@ BLOCK_SIZE = 16
 
 
 def kernel(flags: tuple[str, ...]):
-    lib = cpu_kernel.load(flags)
+    lib = native.load(flags)
     if lib is None:
         raise SystemExit("the paged-attention kernel did not build (no C compiler?)")
     return lib.paged_attention_f32

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.engine import ENGINE_BLOCK_SIZE, cut, eos_ids_of, load_workload, resolve_workload
-from worker.engine import attention, cpu_kernel
+from worker.engine import attention, native
 from worker.model_loader import load_model
 
 CHOICES = ("float32", "int4", "int8", "bfloat16", "w8a8")
@@ -90,7 +90,7 @@ def interleaved_forward(wanted: list[str], model_name: str | None, rows: int, ro
     """Median ms of one forward pass of `rows` tokens (every linear, the lm_head included, at `rows` rows, as in a
     decode step of that many sequences), the precisions taking turns round after round in one process, so a
     machine whose load changes affects them alike. float32 runs on the engine's packed linears."""
-    from worker.engine.packed_linear import pack_linears
+    from worker.engine.weights.packed import pack_linears
 
     models = {}
     for weights in wanted:
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
         same = sum(1 for rid in base if own.get(rid) == base[rid])
         # generate as transformers runs it (SDPA), with eager attention (how far transformers' own two kernels
         # agree with each other), and on the engine's attention arithmetic (what is left is the engine's own work).
-        kinds = ("sdpa", "eager") + ((attention.KERNEL_REFERENCE,) if cpu_kernel.load() is not None else ())
+        kinds = ("sdpa", "eager") + ((attention.KERNEL_REFERENCE,) if native.load() is not None else ())
         answers = {attn: {rid: generate_alone(model, prompts[rid], caps[rid], tokenizer, attn) for rid in sample}
                    for attn in kinds}
         matches = sum(1 for rid in sample if answers["sdpa"][rid] == own[rid])

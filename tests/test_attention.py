@@ -8,11 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from worker.engine import attention, cpu_kernel, flex
+from worker.engine import attention, native
+from worker.engine.attention import flex
 from worker.engine.attention import Span
 from worker.engine.device import buckets
 
-needs_kernel = pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler for the paged-attention kernel")
+needs_kernel = pytest.mark.skipif(native.load() is None, reason="no C compiler for the paged-attention kernel")
 
 
 class Layer(torch.nn.Module):
@@ -103,7 +104,7 @@ def test_backend_choice_follows_the_config_then_the_device(monkeypatch):
     cpu = torch.device("cpu")
     assert attention.choose_backend("gather", cpu, torch.float32) == "gather"
     assert attention.choose_backend(None, cpu, torch.bfloat16) == "gather"
-    expected = "kernel" if cpu_kernel.load() is not None else "gather"
+    expected = "kernel" if native.load() is not None else "gather"
     assert attention.choose_backend(None, cpu, torch.float32) == expected
     with pytest.raises(ValueError, match="float32 on CPU only"):
         attention.choose_backend("kernel", cpu, torch.bfloat16)
@@ -118,13 +119,13 @@ def test_backend_choice_follows_the_config_then_the_device(monkeypatch):
 
 def test_without_a_compiler_the_gather_backend_runs(monkeypatch, tmp_path):
     monkeypatch.setenv("MODEL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_kernel, "_compiler", lambda: None)
-    cpu_kernel.load.cache_clear()
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    native.load.cache_clear()
     try:
-        assert cpu_kernel.load() is None
+        assert native.load() is None
         assert attention.choose_backend(None, torch.device("cpu"), torch.float32) == "gather"
     finally:
-        cpu_kernel.load.cache_clear()
+        native.load.cache_clear()
 
 
 def test_decode_buckets_grow_by_eight_past_sixteen_and_end_at_the_slot_count():

@@ -168,7 +168,7 @@ def test_sweep_measures_the_engine_at_each_slot_count(tiny_dir, tmp_path):
 
 
 def test_engine_run_hands_the_model_back_unchanged(tiny_dir):
-    from worker.engine.packed_linear import PackedLinear
+    from worker.engine.weights.packed import PackedLinear
     from worker.model_loader import load_model
 
     model, tokenizer = load_model(str(tiny_dir))
@@ -279,9 +279,9 @@ def test_grammar_bench_measures_every_section_on_a_tiny_model(tiny_dir, tmp_path
 
 def test_attention_bits_finds_the_kernel_gives_every_row_its_bits_at_any_length_and_sdpa_does_not(capsys):
     from bench import attention_bits
-    from worker.engine import cpu_kernel
+    from worker.engine import native
 
-    if cpu_kernel.load() is None:
+    if native.load() is None:
         pytest.skip("no C compiler for the paged-attention kernel")
     assert attention_bits.rows_that_differ(attention_bits.kernel, 50, 9, 3, 64, seed=1) == (0, 0)
     prefix, decode = attention_bits.rows_that_differ(attention_bits.sdpa, 50, 9, 3, 64, seed=1)
@@ -293,7 +293,7 @@ def test_attention_bits_finds_the_kernel_gives_every_row_its_bits_at_any_length_
 
 def test_weights_bench_reports_each_precisions_agreement_on_a_tiny_model(tiny_dir, tmp_path):
     from bench import weights as weights_bench
-    from worker.engine import cpu_kernel
+    from worker.engine import native
 
     rows = weights_bench.main(["--model", str(tiny_dir), "--weights", "float32,w8a8", "--slots", "2", "--limit", "3",
                                "--agree", "2", "--json", str(tmp_path / "weights.json")])
@@ -301,7 +301,7 @@ def test_weights_bench_reports_each_precisions_agreement_on_a_tiny_model(tiny_di
     for row in rows.values():
         assert row["tokens_per_s"] > 0 and row["peak_rss_mb"] > 0 and row["loglik_of_float32_answers"] < 0
         assert row["equal_to_engine_alone"] == "2/2"
-        assert row["equal_to_generate_on_kernel"] == ("2/2" if cpu_kernel.load() is not None else "-")
+        assert row["equal_to_generate_on_kernel"] == ("2/2" if native.load() is not None else "-")
     assert rows["float32"]["answers_as_float32"] == "3/3"
     assert json.loads((tmp_path / "weights.json").read_text()) == rows
 
@@ -326,9 +326,9 @@ def test_step_trace_times_every_step_by_kind_and_profiles_a_mixed_one(tiny_confi
 
 
 def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64():
-    from worker.engine import cpu_kernel
+    from worker.engine import native
 
-    if cpu_kernel.load() is None:
+    if native.load() is None:
         pytest.skip("no C compiler for the paged-attention kernel")
     from bench import attention_kernel
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 import torch
 
-from worker.engine import attention, cpu_kernel
+from worker.engine import attention, native
 from worker.engine.sampler import Sampler
 from worker.engine import (EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, RequestFinished,
                            SamplingParams, TokenDelta)
@@ -113,7 +113,7 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
                                                 num_blocks=44, pack_cpu_linears=packed, attention_backend=attn,
                                                 enforce_eager=eager, decode_attention=decode, overlap_steps=overlap))
-    assert engine.runner.attention_backend == attn or cpu_kernel.load() is None
+    assert engine.runner.attention_backend == attn or native.load() is None
     # gather reads cached context in place (as on CUDA) where the flex decoding kernel runs the decode graphs
     assert (engine.runner.paged is not None) == (attn == "flex" or (attn == "gather" and decode == "flex"))
     graphs = engine.runner.decode_graphs
@@ -185,7 +185,7 @@ def test_greedy_matches_generate_on_the_real_default_model(real_model):
 
 
 @pytest.mark.real_model
-@pytest.mark.skipif(cpu_kernel.load() is None, reason="no C compiler for the paged-attention kernel")
+@pytest.mark.skipif(native.load() is None, reason="no C compiler for the paged-attention kernel")
 @pytest.mark.parametrize("weights", ["int4", "int8", "bfloat16", "w8a8"])
 def test_greedy_matches_generate_on_the_kernels_attention_on_the_real_model_at_each_precision(weights):
     """At low precision on the default model, SDPA's last bits differ from the kernel's (and from its own at another
@@ -220,7 +220,7 @@ def compiled_decode_shapes() -> list[list[int | None]]:
 
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from worker.engine import flex
+    from worker.engine.attention import flex
 
     shapes = []
     for entry in _debug_get_cache_entry_list(flex._decode_call.__code__):
@@ -232,7 +232,7 @@ def compiled_decode_shapes() -> list[list[int | None]]:
 def test_every_decode_bucket_runs_a_statically_compiled_kernel_and_matches_generate(tiny, ref_model):
     """Buckets 1, 2, 4 and 6 run the decode form compiled for 1, 4 and 6 rows, each with static shapes: never a
     variant with a symbolic row count (on CUDA that one would leave FlexAttention's decoding kernel)."""
-    from worker.engine import flex
+    from worker.engine.attention import flex
 
     model, tok = tiny
     flex.start_engine()   # no compiled variants left from other tests

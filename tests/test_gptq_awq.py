@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
-from worker.engine.quant_linear import Int4Linear, Int8Embedding
-from worker.gptq_awq import awq_int4, gptq_int4
+from worker.engine.weights.quantised import Int4Linear, Int8Embedding
+from worker.engine.weights.gptq_awq import awq_int4, gptq_int4
 from worker.model_loader import ModelLoadError, load_model
 
 # ---- the publishers' code, transcribed (4-bit paths; the only edits are the noted ones) ------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.packed_linear import ROW_BUCKET, PackedLinear, pack_linears, supported, unpack_linears
+from worker.engine.weights.packed import ROW_BUCKET, PackedLinear, pack_linears, supported, unpack_linears
 
 
 def test_packed_linear_matches_dense_within_float_rounding():

@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from worker.engine import cpu_kernel
-from worker.engine.quant_linear import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
+from worker.engine import native
+from worker.engine.weights.quantised import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
                                         Int8Embedding, Int8Linear, Int8Matmul, W8A8Linear, int4_from_float,
                                         kernel_group, quantize_model, quantize_rows)
-from worker.gguf_blocks import q4_1_to_int4
+from worker.engine.weights.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
 
 KINDS = ("int4", "int8", "bfloat16", "w8a8")
@@ -159,13 +159,13 @@ def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_and_float32_elsewhere(t
     from worker.settings import WorkerSettings
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(cpu_kernel, "has_vnni", lambda: True)
+    monkeypatch.setattr(native, "has_vnni", lambda: True)
     assert model_loader.pick_weights(cpu, "auto") == model_loader.pick_weights(cpu, " AUTO") == "w8a8"
     assert model_loader.pick_weights(cpu, "auto", dtype=torch.bfloat16) == "float32"   # DTYPE asked for dense
     assert model_loader.pick_weights(cuda, "auto") == "float32"                        # not refused off the CPU
     assert model_loader.pick_weights(cpu, None) == "float32"                           # the library's: as stored
     assert load_model(str(tiny_model_dir), weights="auto")[0].weights_report.weights == "w8a8"
-    monkeypatch.setattr(cpu_kernel, "has_vnni", lambda: False)
+    monkeypatch.setattr(native, "has_vnni", lambda: False)
     assert model_loader.pick_weights(cpu, "auto") == "float32"
     monkeypatch.delenv("WEIGHTS", raising=False)
     assert WorkerSettings().weights == "auto"
@@ -259,7 +259,7 @@ def test_quantize_model_w8a8_groups_attention_and_mlp_inputs(tiny):
     assert similarity > 0.95, similarity
 
 
-@pytest.mark.skipif(cpu_kernel.load_int8_rows() is None, reason="no C compiler for the w8a8 row kernels")
+@pytest.mark.skipif(native.load_int8_rows() is None, reason="no C compiler for the w8a8 row kernels")
 def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
     """The C quantiser and scaler (int8_rows.c) against the torch ops they replace: rows of every magnitude, a row
     of zeros, exact halves (rounded to even), strided rows, and enough rows to run on several threads."""
@@ -282,7 +282,7 @@ def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
 
 def test_w8a8_on_a_cpu_without_vnni_is_warned_about(tiny, monkeypatch, caplog):
     model, _ = tiny
-    monkeypatch.setattr(cpu_kernel, "has_vnni", lambda: False)
-    with caplog.at_level("WARNING", logger="worker.engine.quant_linear"):
+    monkeypatch.setattr(native, "has_vnni", lambda: False)
+    with caplog.at_level("WARNING", logger="worker.engine.weights.quantised"):
         quantize_model(model, "w8a8")
     assert "lists no VNNI instructions" in caplog.text and "WEIGHTS=int4 or bfloat16" in caplog.text

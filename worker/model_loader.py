@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from worker.gptq_awq import QuantSpec
+    from worker.engine.weights.gptq_awq import QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +155,9 @@ def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
     """WEIGHTS=auto: w8a8 on a CPU that lists VNNI, running float32 (on the AMD EPYC machines measured, the fastest
     precision at 16 and 48 slots, at half float32's memory, and closer to float32's answers than the GGUF's own
     int4: docs/BENCHMARKS.md); float32 everywhere else, where w8a8 is unmeasured or does not run."""
-    from worker.engine import cpu_kernel
+    from worker.engine import native
 
-    if device.type == "cpu" and dtype == torch.float32 and cpu_kernel.has_vnni():
+    if device.type == "cpu" and dtype == torch.float32 and native.has_vnni():
         return "w8a8"
     return "float32"
 
@@ -168,7 +168,7 @@ def pick_weights(device: torch.device, weights: str | None = None,
     CPU), w8a8 (int8 weights and activations, CPU), or auto (auto_weights). None: float32, the weights as stored
     (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir). Any other precision off the CPU is
     refused, `off_cpu` saying what then."""
-    from worker.engine.quant_linear import check_choice
+    from worker.engine.weights.quantised import check_choice
 
     if not weights:
         return "float32"
@@ -214,7 +214,7 @@ def load_model(model: str | None = None, device: str | None = None, dtype: str |
 def quantized_spec(source: ModelSource) -> QuantSpec | None:
     """The GPTQ/AWQ settings of a local model directory's config.json, None for an unquantised model (or one
     that is not a local directory); ModelLoadError for a quantisation this loader does not read."""
-    from worker.gptq_awq import CheckpointError, quant_spec
+    from worker.engine.weights.gptq_awq import CheckpointError, quant_spec
 
     path = Path(source.path)
     if source.gguf_file or not (path / "config.json").is_file():
@@ -235,7 +235,7 @@ def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, 
     bfloat16 and w8a8 swap those as for any model. On CUDA the checkpoint is de-quantised to `dt`."""
     from transformers import AutoTokenizer
 
-    from worker.gptq_awq import CheckpointError, load_quantized
+    from worker.engine.weights.gptq_awq import CheckpointError, load_quantized
 
     off_cpu = f": the {spec.label} checkpoint is then de-quantised to DTYPE"
     auto = not weights or weights.strip().lower() == AUTO   # auto keeps the checkpoint's own int4 layers
@@ -268,7 +268,7 @@ def load_quantized_dir(source: ModelSource, spec: QuantSpec, dev: torch.device, 
 
 def quantize(llm, precision: str, source: ModelSource):
     """Swap the linears for `precision`; int4 from a GGUF takes the file's own Q4_1 blocks where it has them."""
-    from worker.engine.quant_linear import quantize_model
+    from worker.engine.weights.quantised import quantize_model
 
     blocks = gguf_int4(source, llm) if precision == "int4" and source.gguf_file else None
     report = quantize_model(llm, precision, blocks)
@@ -299,7 +299,7 @@ def gguf_int4(source: ModelSource, llm) -> dict:
     """The GGUF's Q4_1 blocks by parameter name, read once and kept beside the de-quantised weights."""
     from safetensors.torch import load_file, save_file
 
-    from worker.gguf_blocks import Q4_1Blocks, read_q4_1
+    from worker.engine.weights.gguf_blocks import Q4_1Blocks, read_q4_1
 
     path = Path(local_dir_for(source)) / "q4_1_blocks.v2.safetensors"
     if not path.is_file():

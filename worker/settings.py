@@ -53,7 +53,7 @@ class WorkerSettings:
     model: str | None = field(default_factory=lambda: os.environ.get("MODEL") or None)
     device: str | None = field(default_factory=lambda: os.environ.get("DEVICE") or None)
     dtype: str | None = field(default_factory=lambda: os.environ.get("DTYPE") or None)
-    # Weight precision on CPU: float32, int4, int8, bfloat16 or w8a8 (worker/engine/quant_linear.py). Unset: auto,
+    # Weight precision on CPU: float32, int4, int8, bfloat16 or w8a8 (worker/engine/weights/quantised.py). Unset: auto,
     # the device's measured best (model_loader.auto_weights).
     weights: str = field(default_factory=lambda: weights_setting())
     # Unset: 16 slots, 512 tokens per step and a 1 GiB KV pool on CPU; 256 slots, 8192 tokens per step and

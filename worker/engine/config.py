@@ -16,7 +16,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the memory left to this process (model included)
     max_model_len: int | None = None     # None: the model's own context length
     enable_prefix_caching: bool = True
-    pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see packed_linear.py)
+    pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see weights/packed.py)
     enforce_eager: bool | None = None    # None: decode graphs on CUDA, eager on CPU; False on CPU: static buffers
     attention_backend: str | None = None  # "kernel", "gather" or "flex"; None: $ATTENTION_BACKEND, else the device's best
     decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";

@@ -18,7 +18,8 @@ import time
 
 import torch
 
-from . import attention, flex
+from . import attention
+from .attention import flex
 from .attention import StepContext
 from .block_tables import SlotTables
 from .transfer import StagedBuffer, Staging, place_pending

@@ -8,10 +8,11 @@ import time
 
 import torch
 
-from . import attention, flex, sizing
+from . import attention, sizing
+from .attention import flex
 from .attention import Span
 from .block_tables import RowOrder
-from .packed_linear import pack_linears, unpack_linears
+from .weights.packed import pack_linears, unpack_linears
 from .config import EngineConfig
 from .device import DecodeGraphs
 from .scheduler import Batch

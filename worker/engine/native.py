@@ -17,8 +17,8 @@ import torch  # noqa: F401  (loaded first, so the kernel shares torch's OpenMP r
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.c")
-INT8_SOURCE = Path(__file__).with_name("int8_rows.c")
+SOURCE = Path(__file__).parent / "attention" / "paged_attention.c"
+INT8_SOURCE = Path(__file__).parent / "weights" / "int8_rows.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, row stride, codes, scales

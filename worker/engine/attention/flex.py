@@ -29,8 +29,8 @@ from types import SimpleNamespace
 import torch
 from torch.nn.attention import flex_attention as _flex_module
 
-from .block_tables import SlotTables
-from .transfer import StagedBuffer, Staging, upload
+from ..block_tables import SlotTables
+from ..transfer import StagedBuffer, Staging, upload
 
 Q_TILE = 128          # queries per BlockMask row tile in the prefill form
 GPU_MIN_BLOCK = 16    # Triton's matrix tiles are at least 16 wide: a KV block is one tile or more

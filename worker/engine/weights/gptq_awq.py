@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from worker.engine.quant_linear import INT4_N_MULTIPLE, Int4Linear, Int4Weights, QuantReport, kernel_group
+from worker.engine.weights.quantised import INT4_N_MULTIPLE, Int4Linear, Int4Weights, QuantReport, kernel_group
 
 log = logging.getLogger(__name__)
 

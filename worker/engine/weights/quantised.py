@@ -24,8 +24,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from . import cpu_kernel
-from .packed_linear import PACK_ROWS_HINT
+from .. import native
+from .packed import PACK_ROWS_HINT
 
 log = logging.getLogger(__name__)
 
@@ -221,7 +221,7 @@ class Int8Matmul(nn.Module):
         self.register_buffer("bias", None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else w.new_zeros(len(w), dtype=torch.float32)
              for w, b in zip(weights, biases)]))
-        self.row_kernels = True   # quantise and scale in C (cpu_kernel) where it compiles; False: torch's ops
+        self.row_kernels = True   # quantise and scale in C (native) where it compiles; False: torch's ops
         edges = torch.tensor([0, *(len(w) for w in weights)]).cumsum(0).tolist()
         self.columns = list(zip(edges[:-1], edges[1:]))
         self.held: Held | None = None
@@ -239,7 +239,7 @@ class Int8Matmul(nn.Module):
     def _run(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.codes_t.shape[0])
         flat = flat if flat.dtype == torch.float32 else flat.float()
-        lib = cpu_kernel.load_int8_rows() if self.row_kernels else None
+        lib = native.load_int8_rows() if self.row_kernels else None
         if lib is None:
             codes, row_scales = quantize_rows(flat)
             # int32 sums of int8 products are exact: the only rounding is this per-element scaling.
@@ -383,7 +383,7 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     if param.device.type != "cpu":
         raise ValueError(f"WEIGHTS={weights} runs on the CPU only (torch's int4/int8 weight kernels are CPU "
                          f"kernels here); the model is on {param.device.type}. Use WEIGHTS=float32 and DTYPE there.")
-    if "w8a8" in (weights, head) and not cpu_kernel.has_vnni():
+    if "w8a8" in (weights, head) and not native.has_vnni():
         log.warning("WEIGHTS=w8a8 on a CPU that lists no VNNI instructions: oneDNN's int8 matmul is slower there, "
                     "and may saturate its 16-bit partial sums; WEIGHTS=int4 or bfloat16 avoid it.")
     int4_source = int4_source or {}

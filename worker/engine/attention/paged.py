@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_kernel, flex
-from .transfer import upload
+from .. import native
+from . import flex
+from ..transfer import upload
 
 ATTN_NAME = "engine_paged"
 KERNEL_REFERENCE = "engine_kernel"   # the kernel's arithmetic on a plain model's own cache (kernel_reference)
@@ -104,7 +105,7 @@ def choose_backend(requested: str | None, device: torch.device, dtype: torch.dty
         raise ValueError(f"The 'kernel' attention backend runs float32 on CPU only, not {dtype} on {device.type}; "
                          "use 'gather'.")
     if requested in (None, "kernel") and kernel_fits:
-        if cpu_kernel.load() is not None:
+        if native.load() is not None:
             return "kernel"
         log.warning("attention backend 'kernel' unavailable: using 'gather'")
     if requested is None and device.type == "cuda" and flex.fits(device, block_size):
@@ -206,7 +207,7 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     out = torch.empty(tokens, heads, d, dtype=q.dtype)
     scale = d ** -0.5 if scaling is None else scaling
-    rc = cpu_kernel.load().paged_attention_f32(
+    rc = native.load().paged_attention_f32(
         q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), k.stride(1), k.stride(0),
         v.data_ptr(), v.stride(1), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
         heads, kv_heads, d, *ctx.kernel_args, scale, out.data_ptr(), torch.get_num_threads())
@@ -322,7 +323,7 @@ def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     work (packing, paging, chunked and prefix-cached prefill, scheduling, sampling). The cache
     [1, kv_heads, context, head_dim] is the pool's layout with one block of `context` tokens.
     """
-    lib = cpu_kernel.load()
+    lib = native.load()
     if lib is None or query.device.type != "cpu" or query.dtype != torch.float32:
         raise RuntimeError("the kernel reference needs the compiled paged-attention kernel and float32 on CPU")
     if query.shape[0] != 1 or attention_mask is not None:

@@ -8,6 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():   # Triton kernels run on CPU tensors in Triton's interpreter, set before its import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.pool import NullPool
 

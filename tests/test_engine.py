@@ -103,9 +103,11 @@ def test_greedy_matches_generate_on_the_same_low_precision_model(tiny_model_dir,
     (True, "kernel", None, None, False), (True, "gather", None, None, False), (True, "flex", None, None, False),
     (False, "kernel", None, None, False), (True, "kernel", False, "flex", False),
     (True, "kernel", False, "gather", False), (True, "gather", False, "flex", False),
-    (True, "kernel", None, None, True), (True, "kernel", False, "flex", True)],
+    (True, "kernel", None, None, True), (True, "kernel", False, "flex", True), (True, "triton", None, None, False),
+    (True, "triton", False, "triton", False)],
     ids=["packed-kernel", "packed-gather", "packed-flex", "dense-kernel", "static-buckets-flex", "static-buckets-gather",
-         "static-buckets-flex-gather-in-place", "overlapped-kernel", "overlapped-static-buckets-flex"])
+         "static-buckets-flex-gather-in-place", "overlapped-kernel", "overlapped-static-buckets-flex", "triton",
+         "static-buckets-triton"])
 def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
                                                                                       eager, decode, overlap):
     model, tok = tiny
@@ -945,9 +947,10 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where
 # ---- CUDA: run wherever a GPU is present -----------------------------------------------------------
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("eager,decode,overlap", [(None, "flex", False), (None, "gather", False), (True, None, False),
-                                                 (None, "flex", True)],
-                         ids=["decode-graphs-flex", "decode-graphs-gather", "eager", "decode-graphs-flex-overlapped"])
+@pytest.mark.parametrize("eager,decode,overlap", [(None, "triton", False), (None, "flex", False), (None, "gather", False),
+                                                 (True, None, False), (None, "flex", True)],
+                         ids=["decode-graphs-triton", "decode-graphs-flex", "decode-graphs-gather", "eager",
+                              "decode-graphs-flex-overlapped"])
 def test_greedy_matches_generate_on_cuda(tiny_model_dir, eager, decode, overlap):
     model, tok = load_model(str(tiny_model_dir), device="cuda", dtype="float32")
     ref = load_model(str(tiny_model_dir), device="cuda", dtype="float32")[0]

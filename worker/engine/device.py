@@ -4,10 +4,10 @@ A decode-only step of n sequences runs in the smallest bucket >= n: its token id
 slots and context lengths are copied into fixed buffers (one contiguous pinned copy whatever the bucket,
 transfer.StagedBuffer), its block tables are brought up to date in place (block_tables.SlotTables: a
 row's new ids only), the rows past n are padding (they write to a scratch block of the pool and read one
-key of it), and the bucket's captured graph replays. Decode attention either reads the pool in place
-("flex", a compiled FlexAttention kernel whose block lists are the step's block tables: any context
-length fits) or gathers each row's blocks up to a static width ("gather", MAX_GRAPH_CONTEXT tokens at
-most). On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and buckets
+key of it), and the bucket's captured graph replays. Decode attention reads the pool in place through the
+Triton kernels ("triton": the rows' contexts split to fill the GPU, splits fixed per bucket) or a compiled
+FlexAttention kernel whose block lists are the step's block tables ("flex"); both take any context length. Or
+it gathers each row's blocks up to a static width ("gather", MAX_GRAPH_CONTEXT tokens at most). On CPU there are no graphs: with EngineConfig.enforce_eager=False the same buffers and buckets
 run eagerly (how the tests exercise this path); by default CPU steps skip it entirely.
 """
 
@@ -53,8 +53,11 @@ class DecodeGraphs:
         self.attention_mode = attention_mode
         self.sizes = buckets(max_num_seqs)
         self.flex = attention_mode == "flex"
-        # Block-table columns: a row's longest context in place ("flex"), the gathered width otherwise.
-        self.width = -(-(max_model_len if self.flex else min(max_model_len, MAX_GRAPH_CONTEXT)) // block_size)
+        self.triton = attention_mode == "triton"
+        self.kv_heads = kv.shape[2]
+        # Block-table columns: a row's longest context in place ("flex", "triton"), the gathered width otherwise.
+        in_place = self.flex or self.triton
+        self.width = -(-(max_model_len if in_place else min(max_model_len, MAX_GRAPH_CONTEXT)) // block_size)
         self.scratch_slot = scratch_block * block_size
         self.scratch_block = scratch_block
         device = kv.device
@@ -68,7 +71,7 @@ class DecodeGraphs:
         if self.flex:
             self.paged = flex.PagedTables(n, self.width, kv.shape[3], block_size, group, scratch_block, device)
         else:
-            self.tables = SlotTables(n, self.width, scratch_block, torch.long, device)
+            self.tables = SlotTables(n, self.width, scratch_block, torch.int32 if self.triton else torch.long, device)
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -92,6 +95,11 @@ class DecodeGraphs:
         ctx = StepContext(kv=self.kv, slots=slots, backend="gather", num_decodes=n)
         if self.flex:
             ctx.decode_block_mask = self.paged.mask(self.paged.rows_for(n))
+        elif self.triton:
+            from .attention import paged_triton
+
+            ctx.decode_tables, ctx.decode_lens = self.tables.tables[:n], context
+            ctx.decode_splits = paged_triton.splits_for(n, self.kv_heads, self.kv.device)
         else:
             keys = torch.arange(self.width * self.block_size, device=self.kv.device)
             mask = keys[None, :] < context[:, None]

@@ -96,10 +96,14 @@ class ModelRunner:
         "flex", "gather" whose graphs capture; None (eager decode steps) when neither does."""
         requested = attention.choose_decode_attention(config.decode_attention)
         modes = [requested] if requested else list(attention.DECODE_MODES)
+        if not requested and self.attention_backend != "triton":   # Triton decode goes with Triton eager steps
+            modes = [m for m in modes if m != "triton"]
         if "flex" in modes and not flex.fits(self.device, config.block_size):
             log.warning("flex decode attention needs a block size that is a multiple of %d on %s, not %d: "
                         "decode graphs gather", flex.GPU_MIN_BLOCK, self.device.type, config.block_size)
             modes = [m for m in modes if m != "flex"] or ["gather"]
+        if "triton" in modes and not attention.triton_available():
+            modes = [m for m in modes if m != "triton"] or ["flex"]
         for mode in modes:
             graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size, config.max_num_seqs,
                                   self.max_len, use_graphs=True, attention_mode=mode, group=query_group(model))
@@ -195,7 +199,7 @@ class ModelRunner:
                 keep.append(start + n - 1)
 
         ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, len(batch.decodes), bs,
-                                      self.paged)
+                                      self.paged, query_group(self.model))
         attention.set_context(ctx)
         try:
             input_ids = upload([ids], torch.long, self.device)

@@ -3,8 +3,8 @@ the CPU C kernel (paged_attention.c), compiled FlexAttention (flex.py) and Trito
 
 from .paged import (ATTN_NAME, BACKENDS, DECODE_MODES, KERNEL_REFERENCE, PrefillChunk, Span, StepContext,
                     build_context, choose_backend, choose_decode_attention, kernel_reference, padded_tables,
-                    paged_attention, register, set_context)
+                    paged_attention, register, set_context, triton_available)
 
 __all__ = ["ATTN_NAME", "BACKENDS", "DECODE_MODES", "KERNEL_REFERENCE", "PrefillChunk", "Span", "StepContext",
            "build_context", "choose_backend", "choose_decode_attention", "kernel_reference", "padded_tables",
-           "paged_attention", "register", "set_context"]
+           "paged_attention", "register", "set_context", "triton_available"]

@@ -41,8 +41,8 @@ from ..transfer import upload
 
 ATTN_NAME = "engine_paged"
 KERNEL_REFERENCE = "engine_kernel"   # the kernel's arithmetic on a plain model's own cache (kernel_reference)
-BACKENDS = ("kernel", "gather", "flex")
-DECODE_MODES = ("flex", "gather")   # decode attention in the static-buffer (CUDA-graph) path
+BACKENDS = ("kernel", "gather", "flex", "triton")
+DECODE_MODES = ("triton", "flex", "gather")   # decode attention in the static-buffer (CUDA-graph) path
 log = logging.getLogger(__name__)
 
 
@@ -83,6 +83,12 @@ class StepContext:
     # kernel backend: per-row sequence index and position, block tables, and the C call's step arguments
     kernel_tensors: tuple[torch.Tensor, ...] = ()
     kernel_args: tuple = ()
+    # triton backend: decode rows of a static-buffer step (block tables, context lengths, context splits), or an
+    # eager step's sequences and query tiles
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    decode_splits: int = 1
+    chunk_plan: object | None = None             # paged_triton.ChunkPlan
 
 
 _local = threading.local()
@@ -92,11 +98,20 @@ def set_context(ctx: StepContext | None) -> None:
     _local.ctx = ctx
 
 
+def triton_available() -> bool:
+    """Triton imports (it comes with torch's CUDA builds; the CPU build runs without it)."""
+    try:
+        from . import paged_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def choose_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int = 16) -> str:
     """The backend to run: the one asked for (EngineConfig or ATTENTION_BACKEND), else the device's best: the C
-    kernel on a CPU in float32, "flex" on CUDA where its kernel takes the block size (measured on an H200:
-    mixed steps 8x faster than "gather", whose per-chunk SDPA calls cost host time for every new prompt
-    length; docs/BENCHMARKS.md, "GPU"), else "gather"."""
+    kernel on a CPU in float32; on CUDA the Triton kernels (paged_triton.py), else "flex" where its kernel takes
+    the block size (measured on an H200: mixed steps 8x faster than "gather", whose per-chunk SDPA calls cost
+    host time for every new prompt length; docs/BENCHMARKS.md, "GPU"), else "gather"."""
     requested = requested or os.environ.get("ATTENTION_BACKEND") or None
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"Unknown attention backend {requested!r}; choose one of {', '.join(BACKENDS)}.")
@@ -108,9 +123,13 @@ def choose_backend(requested: str | None, device: torch.device, dtype: torch.dty
         if native.load() is not None:
             return "kernel"
         log.warning("attention backend 'kernel' unavailable: using 'gather'")
+    if requested == "triton" and not triton_available():
+        raise ValueError("The 'triton' attention backend needs the triton package; use 'flex' or 'gather'.")
+    if requested is None and device.type == "cuda" and triton_available():
+        return "triton"
     if requested is None and device.type == "cuda" and flex.fits(device, block_size):
         return "flex"
-    return "flex" if requested == "flex" else "gather"
+    return requested if requested in ("flex", "triton") else "gather"
 
 
 def choose_decode_attention(requested: str | None) -> str | None:
@@ -127,11 +146,14 @@ def padded_tables(tables: list[list[int]], width: int, pad: int = 0) -> list[lis
 
 
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
-                  block_size: int, paged: flex.PagedTables | None = None) -> StepContext:
+                  block_size: int, paged: flex.PagedTables | None = None, group: int = 1) -> StepContext:
     """`paged`: device buffers for block tables (ModelRunner keeps them), for the flex backend, and for the
     gather backend where it reads cached context in place (without them it copies contexts out)."""
     device = kv.device
     ctx = StepContext(kv=kv, slots=upload(slots, torch.long, device), backend=backend, num_decodes=num_decodes)
+    if backend == "triton":
+        ctx.chunk_plan = _chunk_plan(spans, block_size, group, device)
+        return ctx
     if backend in ("flex", "gather") and paged is not None:
         _in_place(ctx, spans, num_decodes, paged)
         return ctx
@@ -159,6 +181,25 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
         blocks = upload(s.table[:-(-s.context // block_size)], torch.long, device)
         ctx.prefills.append(PrefillChunk(s.start, s.length, s.context, blocks))
     return ctx
+
+
+def _chunk_plan(spans: list[Span], block_size: int, group: int, device: torch.device):
+    """Every span of an eager step (decode rows as one-query chunks) for paged_triton.chunks: the step's tables
+    and per-sequence and per-tile figures go up in one int32 copy."""
+    from . import paged_triton
+
+    width = max(-(-s.context // block_size) for s in spans)
+    tile_seq, tile_first = paged_triton.tiles([s.length for s in spans], group)
+    n = len(spans)
+    flat = [b for s in spans for b in padded_tables([s.table], width)[0]]
+    flat += [s.start for s in spans] + [s.length for s in spans] + [s.context for s in spans] + tile_seq + tile_first
+    data = upload(flat, torch.int32, device)
+    cut = n * width
+    tiles = len(tile_seq)
+    return paged_triton.ChunkPlan(tables=data[:cut].view(n, width), seq_row=data[cut:cut + n],
+                                  seq_len=data[cut + n:cut + 2 * n], seq_ctx=data[cut + 2 * n:cut + 3 * n],
+                                  tile_seq=data[cut + 3 * n:cut + 3 * n + tiles],
+                                  tile_first=data[cut + 3 * n + tiles:])
 
 
 def _in_place(ctx: StepContext, spans: list[Span], num_decodes: int, paged: flex.PagedTables) -> None:
@@ -192,6 +233,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
     q, k, v = query[0], key[0], value[0]
     if ctx.backend == "kernel":
         out = _kernel_attention(q, k, v, ctx, module.layer_idx, scaling)
+    elif ctx.backend == "triton" or ctx.decode_tables is not None:
+        out = _triton_attention(q, k, v, ctx, module.layer_idx, scaling)
     elif ctx.backend == "flex":
         out = _flex_attention(q, k, v, ctx, module.layer_idx, scaling)
     else:
@@ -214,6 +257,21 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
     if rc != 0:
         raise RuntimeError(f"paged-attention kernel refused {heads} query heads over {kv_heads} KV heads")
     return out
+
+
+def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
+                      scaling: float | None) -> torch.Tensor:
+    """[heads, T, d] in, [T, heads, d] out: the step's K/V written, then decode rows (static buffers) or every
+    span of an eager step attended in place."""
+    from . import paged_triton
+
+    k_cache, v_cache = ctx.kv[0, layer], ctx.kv[1, layer]
+    q, k, v = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    paged_triton.store_kv(k, v, k_cache, v_cache, ctx.slots)
+    scale = paged_triton.default_scale(q.shape[-1], scaling)
+    if ctx.decode_tables is not None:
+        return paged_triton.decode(q, k_cache, v_cache, ctx.decode_tables, ctx.decode_lens, scale, ctx.decode_splits)
+    return paged_triton.chunks(q, k_cache, v_cache, ctx.chunk_plan, scale)
 
 
 def _write(k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -104,17 +104,20 @@ def test_greedy_matches_generate_on_the_same_low_precision_model(tiny_model_dir,
     (False, "kernel", None, None, False), (True, "kernel", False, "flex", False),
     (True, "kernel", False, "gather", False), (True, "gather", False, "flex", False),
     (True, "kernel", None, None, True), (True, "kernel", False, "flex", True), (True, "triton", None, None, False),
-    (True, "triton", False, "triton", False)],
+    (True, "triton", False, "triton", False), (False, "triton", False, "triton-compiled", False)],
     ids=["packed-kernel", "packed-gather", "packed-flex", "dense-kernel", "static-buckets-flex", "static-buckets-gather",
          "static-buckets-flex-gather-in-place", "overlapped-kernel", "overlapped-static-buckets-flex", "triton",
-         "static-buckets-triton"])
+         "static-buckets-triton", "static-buckets-triton-compiled"])
 def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
                                                                                       eager, decode, overlap):
     model, tok = tiny
+    compiled = decode == "triton-compiled"
+    decode = "triton" if compiled else decode
     # A small pool forces preemption; a small token budget forces chunked prefill.
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
                                                 num_blocks=44, pack_cpu_linears=packed, attention_backend=attn,
-                                                enforce_eager=eager, decode_attention=decode, overlap_steps=overlap))
+                                                enforce_eager=eager, decode_attention=decode, overlap_steps=overlap,
+                                                compile_decode=compiled))
     assert engine.runner.attention_backend == attn or native.load() is None
     # gather reads cached context in place (as on CUDA) where the flex decoding kernel runs the decode graphs
     assert (engine.runner.paged is not None) == (attn == "flex" or (attn == "gather" and decode == "flex"))
@@ -123,6 +126,7 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
     if graphs is not None:   # decode steps of 3 run in bucket 4: one padding row
         assert graphs.sizes == [1, 2, 4] and graphs.bucket(3) == 4
         assert graphs.attention_mode == decode
+        assert (graphs.compiled is not None) == compiled, graphs.not_compiled
     arrivals = {0: [0, 1, 2], 3: [3], 5: [4, 5], 9: [6], 14: [7]}
     caps = [30, 12, 25, 20, 30, 8, 27, 16]
     prompts = {str(i): chat_ids(tok, q, SYSTEM if i != 4 else None) for i, q in enumerate(QUESTIONS)}

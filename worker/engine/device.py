@@ -31,6 +31,18 @@ log = logging.getLogger(__name__)
 MAX_GRAPH_CONTEXT = 2048
 
 
+def compiled_decode(model):
+    """The model's forward for decode steps compiled with torch.compile (inductor): one graph, no breaks, any row
+    count. RMSNorm, rotary and SiLU-and-multiply fuse into a few kernels around the matmuls, and attention is
+    one registered operator (attention/ops.py) that reads the step's buffers, given as arguments."""
+
+    def forward(input_ids, positions, slots, kv, tables, lens):
+        return model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, engine_kv=kv,
+                     engine_slots=slots, engine_tables=tables, engine_lens=lens).logits[0]
+
+    return torch.compile(forward, fullgraph=True)
+
+
 def buckets(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 24, 32, ... (steps of 8 from 16) up to max_num_seqs, which is always the last."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
@@ -42,8 +54,10 @@ class DecodeGraphs:
     """Static buffers for decode steps of up to max_num_seqs sequences, and one graph per bucket."""
 
     def __init__(self, model, kv: torch.Tensor, scratch_block: int, block_size: int, max_num_seqs: int,
-                 max_model_len: int, use_graphs: bool, attention_mode: str = "flex", group: int = 1) -> None:
-        """group: query heads per KV head."""
+                 max_model_len: int, use_graphs: bool, attention_mode: str = "flex", group: int = 1,
+                 compile: bool = False) -> None:
+        """group: query heads per KV head. compile: the forward compiled once for every bucket (Triton decode
+        attention only; see compiled_decode), each bucket's graph then captured from the compiled code."""
         if attention_mode not in attention.DECODE_MODES:
             raise ValueError(f"Unknown decode attention {attention_mode!r}; choose one of "
                              f"{', '.join(attention.DECODE_MODES)}.")
@@ -79,6 +93,9 @@ class DecodeGraphs:
         self.padding_rows = 0
         self.capture_s = 0.0
         self.graph_bytes = 0
+        self.compiled = compiled_decode(model) if compile and self.triton else None
+        self.compile_s = 0.0
+        self.not_compiled = "" if self.compiled is not None or not compile else "decode attention is not triton"
 
     def _pad(self, n: int) -> None:
         """Bucket n's rows all padding: a forward outside `run` (warm-up, capture) then writes and reads only the
@@ -93,6 +110,11 @@ class DecodeGraphs:
         """The forward of bucket n, reading that bucket's views of the buffers."""
         input_ids, positions, slots, context = self.rows.device(n)
         ctx = StepContext(kv=self.kv, slots=slots, backend="gather", num_decodes=n)
+        if self.compiled is not None:
+            step = (input_ids, positions, slots, self.tables.tables[:n], context)
+            for t in step:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            return self.compiled(*step[:3], self.kv, *step[3:])
         if self.flex:
             ctx.decode_block_mask = self.paged.mask(self.paged.rows_for(n))
         elif self.triton:
@@ -116,11 +138,16 @@ class DecodeGraphs:
 
         A forward that cannot be captured (a host sync, a data-dependent shape, a kernel that does not
         compile) is logged and False returned: the caller tries the next decode attention, or runs eagerly."""
+        if self.compiled is not None and not self._compile():
+            return self.capture()
         if not self.use_graphs:
             return True
         try:
             self._capture_all()
-        except Exception:
+        except Exception as exc:
+            if self.compiled is not None:   # the compiled forward does not capture: capture the model's own
+                self._uncompile(f"{type(exc).__name__}: {exc}")
+                return self.capture()
             log.exception("decode graphs with %s attention could not be captured", self.attention_mode)
             self.graphs.clear()
             self.outputs.clear()
@@ -128,6 +155,32 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
             return False
         return True
+
+    def _compile(self) -> bool:
+        """Compile the forward now, on the largest bucket (its row count symbolic), then the one-row bucket
+        (which the compiler specialises); False (logged) when it fails, and the model runs uncompiled."""
+        start = time.perf_counter()
+        try:
+            for n in sorted({self.sizes[-1], self.sizes[0]}, reverse=True):
+                self._pad(n)
+                self._forward(n)
+        except Exception as exc:
+            self._uncompile(f"{type(exc).__name__}: {exc}")
+            return False
+        if self.kv.device.type == "cuda":
+            torch.cuda.synchronize(self.kv.device)
+        self.compile_s = time.perf_counter() - start
+        log.info("decode step compiled in %.1f s", self.compile_s)
+        return True
+
+    def _uncompile(self, why: str) -> None:
+        log.warning("decode steps run the model uncompiled: compiling it failed (%s)", why.splitlines()[0][:300])
+        self.compiled, self.not_compiled = None, why
+        self.graphs.clear()
+        self.outputs.clear()
+        if self.kv.device.type == "cuda":
+            torch.cuda.synchronize(self.kv.device)
+            torch.cuda.empty_cache()
 
     def _capture_all(self) -> None:
         start, before = time.perf_counter(), torch.cuda.memory_allocated(self.kv.device)

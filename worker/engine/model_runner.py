@@ -106,7 +106,8 @@ class ModelRunner:
             modes = [m for m in modes if m != "triton"] or ["flex"]
         for mode in modes:
             graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size, config.max_num_seqs,
-                                  self.max_len, use_graphs=True, attention_mode=mode, group=query_group(model))
+                                  self.max_len, use_graphs=True, attention_mode=mode, group=query_group(model),
+                                  compile=sizing.compile_for(config, self.device.type))
             if graphs.capture():
                 return graphs
         return None
@@ -148,6 +149,10 @@ class ModelRunner:
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"
+        if graphs.compiled is not None:
+            line += f"; decode step compiled in {graphs.compile_s:.1f} s"
+        elif graphs.not_compiled:
+            line += f"; decode step not compiled ({graphs.not_compiled.splitlines()[0][:120]})"
         if graphs.graphs:
             return line + (f"; {len(graphs.graphs)} decode graphs ({graphs.attention_mode} attention) captured in "
                            f"{graphs.capture_s:.2f} s, {graphs.graph_bytes / 2**20:.1f} MiB")

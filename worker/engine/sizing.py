@@ -3,6 +3,7 @@ of the free memory on a GPU, less what a step needs beside it)."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,16 @@ def default_slots(device_type: str) -> int:
 
 def default_budget(device_type: str) -> int:
     return DEFAULT_BUDGET.get(device_type, DEFAULT_BUDGET["cpu"])
+
+
+def compile_for(config, device_type: str) -> bool:
+    """EngineConfig.compile_decode as set, else $COMPILE_DECODE (0 or 1), else on for CUDA."""
+    if config.compile_decode is not None:
+        return config.compile_decode
+    env = os.environ.get("COMPILE_DECODE")
+    if env in ("0", "1"):
+        return env == "1"
+    return device_type == "cuda"
 
 
 def overlap_for(config, device_type: str) -> bool:

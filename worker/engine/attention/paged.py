@@ -228,9 +228,11 @@ def _in_place(ctx: StepContext, spans: list[Span], num_decodes: int, paged: flex
 def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: torch.Tensor | None, scaling: float | None = None,
                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    ctx: StepContext = _local.ctx
     # The packed tokens are one "batch of one": [1, heads, T, d] -> [heads, T, d].
     q, k, v = query[0], key[0], value[0]
+    if "engine_tables" in kwargs:   # a compiled decode step: its buffers come as arguments (compiled_decode)
+        return _decode_op(q, k, v, module.layer_idx, scaling, kwargs).unsqueeze(0), None
+    ctx: StepContext = _local.ctx
     if ctx.backend == "kernel":
         out = _kernel_attention(q, k, v, ctx, module.layer_idx, scaling)
     elif ctx.backend == "triton" or ctx.decode_tables is not None:
@@ -272,6 +274,17 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
     if ctx.decode_tables is not None:
         return paged_triton.decode(q, k_cache, v_cache, ctx.decode_tables, ctx.decode_lens, scale, ctx.decode_splits)
     return paged_triton.chunks(q, k_cache, v_cache, ctx.chunk_plan, scale)
+
+
+def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float | None,
+               step: dict) -> torch.Tensor:
+    """Decode rows through the registered operator (ops.py), which a compiled forward calls without a break."""
+    from . import ops  # noqa: F401  (registers torch.ops.supportbot)
+
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.supportbot.paged_decode(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             step["engine_kv"], layer, step["engine_slots"], step["engine_tables"],
+                                             step["engine_lens"], scale)
 
 
 def _write(k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -534,6 +534,7 @@ def plot_sweep(path: Path, sweep: dict[int, dict]) -> None:
 
 
 DECODE_CHOICES = {"eager": {"enforce_eager": True},
+                  "triton": {"enforce_eager": False, "decode_attention": "triton"},
                   "flex": {"enforce_eager": False, "decode_attention": "flex"},
                   "gather": {"enforce_eager": False, "decode_attention": "gather"}}
 
@@ -585,7 +586,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="e.g. 1,2,4,8,16,32: measure only the engine at each slot count (no reference run)")
     parser.add_argument("--decode", choices=sorted(DECODE_CHOICES), default=None,
                         help="the engine's decode steps: eager, or through static buffers (CUDA graphs on CUDA) "
-                             "with flex (in place) or gather attention (default: the device's default)")
+                             "with triton or flex (in place) or gather attention (default: the device's default)")
+    parser.add_argument("--compile", choices=("on", "off"), default=None,
+                        help="the engine's decode graphs captured from a compiled forward (EngineConfig.compile_decode; "
+                             "default: the device's, on for CUDA)")
     parser.add_argument("--sampler-candidates", type=int, default=None, metavar="N",
                         help="the engine's top-k/top-p cut-off searched among the N best tokens first, 0 for a full "
                              "sort (default: 256 on CPU, a full sort elsewhere)")
@@ -680,6 +684,9 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
     if args.overlap is not None:
         options["overlap_steps"] = args.overlap == "on"
         info["overlap"] = args.overlap
+    if args.compile is not None:
+        options["compile_decode"] = args.compile == "on"
+        info["compile"] = args.compile
     budget = args.budget or device_budget(model.device.type)
     info["budget"] = budget
     setup = Setup(model, tokenizer, requests, eos_ids, pad_id, temperature=NANO_TEMPERATURE if nano else 0.0,
@@ -793,19 +800,30 @@ def device_busy_ms(prof, device: torch.device) -> tuple[str, float]:
     return "cpu_ops", sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000
 
 
-def device_activity(prof, steps: int) -> dict:
+def device_activity(prof, steps: int, layers: int) -> dict:
     """On a GPU, per step: host-to-device copies by source memory (a pageable one is staged and waited for;
-    the step buffers are meant to be pinned), and the five kernels that took the most time."""
+    the step buffers are meant to be pinned), kernels launched (and per layer), the time between one kernel's
+    end and the next one's start, and the five kernels that took the most time."""
     events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     copies: dict[str, int] = {}
     kernels: dict[str, float] = {}
+    launched = [e for e in events if not e.name.startswith("Memcpy") and not e.name.startswith("Memset")]
     for e in events:
         if e.name.startswith("Memcpy HtoD"):
             copies[e.name] = copies.get(e.name, 0) + 1
         kernels[e.name] = kernels.get(e.name, 0.0) + e.time_range.elapsed_us() / 1000
     top = sorted(kernels.items(), key=lambda item: -item[1])[:5]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in launched)
+    gaps = [max(0, b[0] - a[1]) for a, b in zip(spans, spans[1:])]
     return {"h2d_copies_per_step": {k: v / steps for k, v in sorted(copies.items())},
+            "kernels_per_step": len(launched) / steps, "kernels_per_layer": len(launched) / steps / layers,
+            "median_gap_us": percentile(gaps, 50) if gaps else None,
             "top_kernels_ms_per_step": {k[:80]: v / steps for k, v in top}}
+
+
+def num_layers(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", 1))
 
 
 def table_writers(engine) -> list:
@@ -878,7 +896,7 @@ def profile_decode(setup: Setup, seqs: int, slots: int, sampling: str, steps: in
                 engine.step()
             sync()
         busy_kind, busy = device_busy_ms(prof, engine.device)
-        extra = device_activity(prof, steps) if cuda else {}
+        extra = device_activity(prof, steps, num_layers(setup.model)) if cuda else {}
         if cuda:   # the pool, the graphs and every step so far, against what the device holds
             extra["peak_device_mb"] = torch.cuda.max_memory_allocated() / 2**20
             extra["device_total_mb"] = torch.cuda.mem_get_info()[1] / 2**20
@@ -909,7 +927,9 @@ def step_profile(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
     for row in rows:
         if "h2d_copies_per_step" in row:
             print(f"{row['seqs']} seqs {row['sampling']}: host-to-device copies per step "
-                  f"{row['h2d_copies_per_step']}; top kernels (ms per step) {row['top_kernels_ms_per_step']}; "
+                  f"{row['h2d_copies_per_step']}; kernels per step {fmt(row['kernels_per_step'])} "
+                  f"({fmt(row['kernels_per_layer'])} a layer), median gap between kernels "
+                  f"{fmt(row['median_gap_us'])} us; top kernels (ms per step) {row['top_kernels_ms_per_step']}; "
                   f"peak memory {fmt(row['peak_device_mb'])} of {fmt(row['device_total_mb'])} MB")
     if rows and rows[0]["busy_kind"] == "cpu_ops":
         print("busy = time inside operators (profiler self CPU time); the rest of the wall is Python and dispatch. "

@@ -21,6 +21,7 @@ import torch
 from . import attention
 from .attention import flex
 from .attention import StepContext
+from .compiled import CompiledLayers
 from .block_tables import SlotTables
 from .transfer import StagedBuffer, Staging, place_pending
 
@@ -29,18 +30,6 @@ log = logging.getLogger(__name__)
 # With "gather", the static block tables cover this many tokens at most: decode attention gathers the
 # whole width in a graph, so a longer context would cost every step. Steps past it run eagerly.
 MAX_GRAPH_CONTEXT = 2048
-
-
-def compiled_decode(model):
-    """The model's forward for decode steps compiled with torch.compile (inductor): one graph, no breaks, any row
-    count. RMSNorm, rotary and SiLU-and-multiply fuse into a few kernels around the matmuls, and attention is
-    one registered operator (attention/ops.py) that reads the step's buffers, given as arguments."""
-
-    def forward(input_ids, positions, slots, kv, tables, lens):
-        return model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False, engine_kv=kv,
-                     engine_slots=slots, engine_tables=tables, engine_lens=lens).logits[0]
-
-    return torch.compile(forward, fullgraph=True)
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -56,8 +45,8 @@ class DecodeGraphs:
     def __init__(self, model, kv: torch.Tensor, scratch_block: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, use_graphs: bool, attention_mode: str = "flex", group: int = 1,
                  compile: bool = False) -> None:
-        """group: query heads per KV head. compile: the forward compiled once for every bucket (Triton decode
-        attention only; see compiled_decode), each bucket's graph then captured from the compiled code."""
+        """group: query heads per KV head. compile: decode steps through compiled decoder layers (Triton decode
+        attention only; compiled.py), each bucket's graph then captured from the compiled code."""
         if attention_mode not in attention.DECODE_MODES:
             raise ValueError(f"Unknown decode attention {attention_mode!r}; choose one of "
                              f"{', '.join(attention.DECODE_MODES)}.")
@@ -65,7 +54,8 @@ class DecodeGraphs:
         self.kv = kv
         self.block_size = block_size
         self.attention_mode = attention_mode
-        self.sizes = buckets(max_num_seqs)
+        # Compiled, a step of one row runs in bucket 2: the compiler would specialise a row count of one apart.
+        self.sizes = [b for b in buckets(max_num_seqs) if not compile or b > 1 or b == max_num_seqs]
         self.flex = attention_mode == "flex"
         self.triton = attention_mode == "triton"
         self.kv_heads = kv.shape[2]
@@ -93,9 +83,14 @@ class DecodeGraphs:
         self.padding_rows = 0
         self.capture_s = 0.0
         self.graph_bytes = 0
-        self.compiled = compiled_decode(model) if compile and self.triton else None
+        self.compiled: CompiledLayers | None = None
         self.compile_s = 0.0
-        self.not_compiled = "" if self.compiled is not None or not compile else "decode attention is not triton"
+        self.not_compiled = "" if not compile or self.triton else "decode attention is not triton"
+        if compile and self.triton:
+            try:
+                self.compiled = CompiledLayers(model)
+            except ValueError as exc:
+                self._uncompile(str(exc))
 
     def _pad(self, n: int) -> None:
         """Bucket n's rows all padding: a forward outside `run` (warm-up, capture) then writes and reads only the
@@ -110,11 +105,10 @@ class DecodeGraphs:
         """The forward of bucket n, reading that bucket's views of the buffers."""
         input_ids, positions, slots, context = self.rows.device(n)
         ctx = StepContext(kv=self.kv, slots=slots, backend="gather", num_decodes=n)
-        if self.compiled is not None:
-            step = (input_ids, positions, slots, self.tables.tables[:n], context)
-            for t in step:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
-            return self.compiled(*step[:3], self.kv, *step[3:])
+        if self.compiled is not None:   # the step's buffers go to every layer as arguments
+            return self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                              engine_kv=self.kv, engine_slots=slots, engine_tables=self.tables.tables[:n],
+                              engine_lens=context).logits[0]
         if self.flex:
             ctx.decode_block_mask = self.paged.mask(self.paged.rows_for(n))
         elif self.triton:
@@ -157,13 +151,13 @@ class DecodeGraphs:
         return True
 
     def _compile(self) -> bool:
-        """Compile the forward now, on the largest bucket (its row count symbolic), then the one-row bucket
-        (which the compiler specialises); False (logged) when it fails, and the model runs uncompiled."""
+        """Compile the layers now, on the largest bucket (the row count symbolic); False (logged) when it fails,
+        and the model runs uncompiled."""
         start = time.perf_counter()
         try:
-            for n in sorted({self.sizes[-1], self.sizes[0]}, reverse=True):
-                self._pad(n)
-                self._forward(n)
+            n = self.sizes[-1]
+            self._pad(n)
+            self._forward(n)
         except Exception as exc:
             self._uncompile(f"{type(exc).__name__}: {exc}")
             return False
@@ -175,6 +169,8 @@ class DecodeGraphs:
 
     def _uncompile(self, why: str) -> None:
         log.warning("decode steps run the model uncompiled: compiling it failed (%s)", why.splitlines()[0][:300])
+        if self.compiled is not None:
+            self.compiled.release()
         self.compiled, self.not_compiled = None, why
         self.graphs.clear()
         self.outputs.clear()

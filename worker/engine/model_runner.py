@@ -160,7 +160,9 @@ class ModelRunner:
                        "attention), no graphs")
 
     def release_model(self) -> None:
-        """Give the model back as it came: dense linears and its own attention."""
+        """Give the model back as it came: dense linears, its own layers' code and its own attention."""
+        if self.decode_graphs is not None and self.decode_graphs.compiled is not None:
+            self.decode_graphs.compiled.release()
         unpack_linears(self.model)
         self.model.set_attn_implementation(self.original_attn)
 

@@ -6,7 +6,8 @@
 #
 #   bash bench/gpu_bench.sh PART [OUT]
 #
-# PART: first | trace | check | steps | sampler | overlap | mixed | memory | w256 | nano | budget | backend | all
+# PART: defaults | baseline | attention | profile | first | trace | check | steps | sampler | overlap | mixed | memory | w256 |
+#       nano | budget | backend | all
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results). Every run of a part is
 # made even when an earlier one fails; the script then exits 1 and names the failed runs (failed.txt).
 # RUN_TIMEOUT=S stops any one run after S seconds (recorded as failed), so a short lease still gets the
@@ -33,8 +34,13 @@ fi
 export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 "$py" - <<'EOF' | tee "$out/versions.txt" || exit 1
 import platform, torch, transformers, tokenizers
+try:
+    import triton
+    triton_version = triton.__version__
+except ImportError:
+    triton_version = "none"
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda,
-      "transformers", transformers.__version__, "tokenizers", tokenizers.__version__)
+      "transformers", transformers.__version__, "tokenizers", tokenizers.__version__, "triton", triton_version)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device")
 EOF
 
@@ -48,6 +54,38 @@ bench() {   # bench NAME ARGS...: one run, its log and JSON kept; a crash is rec
     fi
 }
 
+case $part in
+attention|all)  # decode attention alone: the installed torch's flex decoding lines, then Triton (splits, key tiles,
+                # block sizes 16 and 64) against FlexAttention at 16, 64 and 256 rows, in us and GB/s
+    echo "== attention: python -m bench.decode_attention" | tee -a "$out/commands.txt"
+    if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.decode_attention --json "$out/attention.json" \
+            ${ATTENTION_ARGS:-} > "$out/attention.log" 2>&1; then
+        echo "!! attention failed" | tee -a "$out/failed.txt"
+        failed+=("attention")
+    fi
+    grep -A12 "^best per" "$out/attention.log" || tail -20 "$out/attention.log" ;;
+esac
+case $part in
+defaults|all)   # greedy equality in float32 through the compiled Triton decode graphs, then nano's shape with the
+                # defaults (Triton attention, compiled decode layers)
+    bench check-default --random-weights smollm2-135m --dtype float32 --limit "${CHECK_LIMIT:-16}" \
+        --skip static,transformers_cb,engine_best
+    bench nano-default --workload nano --random-weights qwen3-0.6b --slots 256 \
+        --skip static,reference,transformers_cb,engine_best ;;
+esac
+case $part in
+baseline|all)   # nano's shape with the previous defaults (FlexAttention, uncompiled), the ratio's baseline
+    ATTENTION_BACKEND=flex bench nano-flex --workload nano --random-weights qwen3-0.6b --slots 256 --decode flex \
+        --compile off --skip static,reference,transformers_cb,engine_best ;;
+esac
+case $part in
+profile|all)    # where a decode step's time goes with the defaults (kernels a layer, gaps, wall over kernel time),
+                # overlapped steps re-measured, and workload-256 against transformers CB with CUDA graphs
+    bench steps-default --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256
+    bench nano-overlap --workload nano --random-weights qwen3-0.6b --slots 256 --overlap on \
+        --skip static,reference,transformers_cb,engine_best
+    bench w256-default --workload workload-256 --random-weights smollm2-135m --slots 64 --skip reference,static ;;
+esac
 case $part in
 first)       # a first look that fits one short lease (about 7 minutes on an H200), most telling first: greedy
              # equivalence through the graphs, nano's shape (engine alone, as by default), where a decode step's
@@ -147,7 +185,7 @@ backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every
     done ;;
 esac
 case $part in
-first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
+attention|defaults|baseline|profile|first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
 *) echo "unknown part '$part'" >&2; exit 2 ;;
 esac
 

@@ -35,6 +35,10 @@ class CompiledLayers:
         layers = decoder_layers(model)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no list of decoder layers (model.model.layers)")
+        from .weights.packed import PackedLinear
+
+        if any(isinstance(m, PackedLinear) for m in model.modules()):
+            raise ValueError("oneDNN-packed CPU linears do not compile (EngineConfig.pack_cpu_linears=False to try)")
         kinds = {type(layer) for layer in layers}
         if len(kinds) != 1:
             raise ValueError(f"the decoder layers are of {len(kinds)} kinds; one compiled forward serves one")

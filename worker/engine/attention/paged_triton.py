@@ -19,6 +19,7 @@ the tests check it without a GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -217,12 +218,16 @@ def _check_pool(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("the K and V pools must share one layout with contiguous head dimensions")
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def splits_for(rows: int, kv_heads: int, device: torch.device, tuning: Tuning = TUNING) -> int:
     """Context splits for a decode launch: enough (row, KV head, split) programs to fill the multiprocessors."""
     if device.type != "cuda":
         return 1 if rows * kv_heads >= 8 else 2   # the interpreter: exercise both forms, cheaply
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = -(-sms * tuning.programs_per_sm // max(1, rows * kv_heads))
+    want = -(-_multiprocessors(device) * tuning.programs_per_sm // max(1, rows * kv_heads))
     return max(1, min(MAX_SPLITS, want))
 
 

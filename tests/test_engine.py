@@ -104,10 +104,11 @@ def test_greedy_matches_generate_on_the_same_low_precision_model(tiny_model_dir,
     (False, "kernel", None, None, False), (True, "kernel", False, "flex", False),
     (True, "kernel", False, "gather", False), (True, "gather", False, "flex", False),
     (True, "kernel", None, None, True), (True, "kernel", False, "flex", True), (True, "triton", None, None, False),
-    (True, "triton", False, "triton", False), (False, "triton", False, "triton-compiled", False)],
+    (True, "triton", False, "triton", False), (False, "triton", False, "triton-compiled", False),
+    (True, "triton", False, "triton", True)],
     ids=["packed-kernel", "packed-gather", "packed-flex", "dense-kernel", "static-buckets-flex", "static-buckets-gather",
          "static-buckets-flex-gather-in-place", "overlapped-kernel", "overlapped-static-buckets-flex", "triton",
-         "static-buckets-triton", "static-buckets-triton-compiled"])
+         "static-buckets-triton", "static-buckets-triton-compiled", "overlapped-static-buckets-triton"])
 def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_prefix(tiny, ref_model, packed, attn,
                                                                                       eager, decode, overlap):
     model, tok = tiny

@@ -82,6 +82,21 @@ def test_chunks_with_and_without_a_cached_prefix_match_float64(dtype, heads, kv_
     assert out[8:10].isnan().all()   # rows no sequence covers
 
 
+def test_a_plans_parts_start_on_16_byte_boundaries_whatever_their_lengths():
+    plan = pt.plan([0, 1, 8], [1, 7, 3], [20, 7, 50], [[3, 1], [2], [5, 6, 7, 8]], 3, torch.device(DEVICE))
+    parts = [plan.tables, plan.seq_row, plan.seq_len, plan.seq_ctx, plan.tile_seq, plan.tile_first]
+    assert all(t.data_ptr() % 16 == 0 for t in parts)
+    assert plan.tables.tolist() == [[3, 1, 0, 0], [2, 0, 0, 0], [5, 6, 7, 8]]
+    assert plan.seq_ctx.tolist() == [20, 7, 50] and plan.tile_seq.tolist() == [0, 1, 2]
+
+
+def test_warm_up_writes_only_the_scratch_block():
+    k_cache, v_cache = pool(2, 6, 16, 32, torch.float32)
+    before = k_cache.clone()
+    pt.warm_up(k_cache, v_cache, 4, 5)
+    assert torch.equal(k_cache[:, :5], before[:, :5])
+
+
 def test_tiles_cover_each_chunk_in_runs_of_the_tile_queries():
     seqs, firsts = pt.tiles([1, 70, 32], group=2, tuning=pt.Tuning(chunk_block_m=64))
     assert list(zip(seqs, firsts)) == [(0, 0), (1, 0), (1, 32), (1, 64), (2, 0)]

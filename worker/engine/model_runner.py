@@ -88,6 +88,11 @@ class ModelRunner:
         self.paged = self._paged_tables(config)   # eager steps' block tables, when they read the pool in place
         if self.paged is not None and self.device.type == "cuda":
             self._warm_prefill()
+        if self.attention_backend == "triton" and self.device.type == "cuda":
+            from .attention import paged_triton
+
+            _, kv_heads, _ = kv_shape(model)
+            paged_triton.warm_up(self.kv[0, 0], self.kv[1, 0], kv_heads * query_group(model), self.num_blocks)
         # Decode rows keep their sequences from step to step wherever block tables persist on the device.
         self.row_order = RowOrder() if self.decode_graphs is not None or self.paged is not None else None
 

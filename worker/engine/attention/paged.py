@@ -152,7 +152,11 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
     device = kv.device
     ctx = StepContext(kv=kv, slots=upload(slots, torch.long, device), backend=backend, num_decodes=num_decodes)
     if backend == "triton":
-        ctx.chunk_plan = _chunk_plan(spans, block_size, group, device)
+        from . import paged_triton
+
+        ctx.chunk_plan = paged_triton.plan([s.start for s in spans], [s.length for s in spans],
+                                           [s.context for s in spans],
+                                           [s.table[:-(-s.context // block_size)] for s in spans], group, device)
         return ctx
     if backend in ("flex", "gather") and paged is not None:
         _in_place(ctx, spans, num_decodes, paged)
@@ -181,25 +185,6 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
         blocks = upload(s.table[:-(-s.context // block_size)], torch.long, device)
         ctx.prefills.append(PrefillChunk(s.start, s.length, s.context, blocks))
     return ctx
-
-
-def _chunk_plan(spans: list[Span], block_size: int, group: int, device: torch.device):
-    """Every span of an eager step (decode rows as one-query chunks) for paged_triton.chunks: the step's tables
-    and per-sequence and per-tile figures go up in one int32 copy."""
-    from . import paged_triton
-
-    width = max(-(-s.context // block_size) for s in spans)
-    tile_seq, tile_first = paged_triton.tiles([s.length for s in spans], group)
-    n = len(spans)
-    flat = [b for s in spans for b in padded_tables([s.table], width)[0]]
-    flat += [s.start for s in spans] + [s.length for s in spans] + [s.context for s in spans] + tile_seq + tile_first
-    data = upload(flat, torch.int32, device)
-    cut = n * width
-    tiles = len(tile_seq)
-    return paged_triton.ChunkPlan(tables=data[:cut].view(n, width), seq_row=data[cut:cut + n],
-                                  seq_len=data[cut + n:cut + 2 * n], seq_ctx=data[cut + 2 * n:cut + 3 * n],
-                                  tile_seq=data[cut + 3 * n:cut + 3 * n + tiles],
-                                  tile_first=data[cut + 3 * n + tiles:])
 
 
 def _in_place(ctx: StepContext, spans: list[Span], num_decodes: int, paged: flex.PagedTables) -> None:

@@ -142,7 +142,7 @@ def _combine(part_acc, part_ml, out_ptr, stride_or, stride_oh,
     tl.store(out_ptr + r * stride_or + h * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_tr"])   # the step's table width varies: one compiled variant for all
 def _chunks(q_ptr, k_cache, v_cache, tables_ptr, out_ptr, tile_seq_ptr, tile_first_ptr,
             seq_row_ptr, seq_len_ptr, seq_ctx_ptr,
             stride_qr, stride_qh, stride_ch, stride_cb, stride_ct, stride_tr, stride_or, stride_oh, qk_scale,
@@ -274,6 +274,41 @@ class ChunkPlan:
     seq_ctx: torch.Tensor     # int32 [seqs]
     tile_seq: torch.Tensor    # int32 [tiles]
     tile_first: torch.Tensor  # int32 [tiles]
+
+
+# Each part of a plan starts on a 16-byte boundary: Triton compiles a kernel apart for a pointer that is not (a
+# compilation of seconds in the middle of serving, for whichever step first packs its parts otherwise).
+ALIGN = 4
+
+
+def plan(rows: list[int], lengths: list[int], contexts: list[int], tables: list[list[int]], group: int,
+         device: torch.device, tuning: Tuning = TUNING) -> ChunkPlan:
+    """The plan of an eager step's sequences (first row, rows and context each; tables padded to one width),
+    uploaded in one int32 copy."""
+    from ..transfer import upload
+
+    width = max(map(len, tables))
+    tile_seq, tile_first = tiles(lengths, group, tuning)
+    parts = [[b for t in tables for b in t + [0] * (width - len(t))], rows, lengths, contexts, tile_seq, tile_first]
+    flat, starts = [], []
+    for part in parts:
+        starts.append(len(flat))
+        flat += part
+        flat += [0] * (-len(flat) % ALIGN)
+    data = upload(flat, torch.int32, device)
+    views = [data[a:a + len(part)] for a, part in zip(starts, parts)]
+    return ChunkPlan(views[0].view(len(tables), width), *views[1:])
+
+
+def warm_up(k_cache: torch.Tensor, v_cache: torch.Tensor, heads: int, scratch_block: int) -> None:
+    """Compile the eager step's kernels before serving (each is seconds of compilation the first time): one query
+    over one key of the scratch block, written there."""
+    kv_heads, _, block_size, d = k_cache.shape
+    device = k_cache.device
+    k = torch.zeros(1, kv_heads, d, dtype=k_cache.dtype, device=device)
+    store_kv(k, k, k_cache, v_cache, torch.tensor([scratch_block * block_size], device=device))
+    q = torch.zeros(1, heads, d, dtype=k_cache.dtype, device=device)
+    chunks(q, k_cache, v_cache, plan([0], [1], [1], [[scratch_block]], heads // kv_heads, device), 1.0)
 
 
 def tiles(lengths: list[int], group: int, tuning: Tuning = TUNING) -> tuple[list[int], list[int]]:

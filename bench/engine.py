@@ -588,8 +588,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the engine's decode steps: eager, or through static buffers (CUDA graphs on CUDA) "
                              "with triton or flex (in place) or gather attention (default: the device's default)")
     parser.add_argument("--compile", choices=("on", "off"), default=None,
-                        help="the engine's decode graphs captured from a compiled forward (EngineConfig.compile_decode; "
-                             "default: the device's, on for CUDA)")
+                        help="the engine's decoder layers compiled for steps with Triton attention (EngineConfig."
+                             "compile_layers; default: the device's, on for CUDA)")
     parser.add_argument("--sampler-candidates", type=int, default=None, metavar="N",
                         help="the engine's top-k/top-p cut-off searched among the N best tokens first, 0 for a full "
                              "sort (default: 256 on CPU, a full sort elsewhere)")
@@ -685,7 +685,7 @@ def prepare(args: argparse.Namespace) -> tuple[Setup, dict]:
         options["overlap_steps"] = args.overlap == "on"
         info["overlap"] = args.overlap
     if args.compile is not None:
-        options["compile_decode"] = args.compile == "on"
+        options["compile_layers"] = args.compile == "on"
         info["compile"] = args.compile
     budget = args.budget or device_budget(model.device.type)
     info["budget"] = budget

@@ -118,7 +118,7 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
                                                 num_blocks=44, pack_cpu_linears=packed, attention_backend=attn,
                                                 enforce_eager=eager, decode_attention=decode, overlap_steps=overlap,
-                                                compile_decode=compiled))
+                                                compile_layers=compiled))
     assert engine.runner.attention_backend == attn or native.load() is None
     # gather reads cached context in place (as on CUDA) where the flex decoding kernel runs the decode graphs
     assert (engine.runner.paged is not None) == (attn == "flex" or (attn == "gather" and decode == "flex"))
@@ -128,6 +128,7 @@ def test_greedy_matches_generate_with_staggered_arrivals_preemption_and_shared_p
         assert graphs.sizes == ([2, 4] if compiled else [1, 2, 4]) and graphs.bucket(3) == 4
         assert graphs.attention_mode == decode
         assert (graphs.compiled is not None) == compiled, graphs.not_compiled
+    assert engine.runner.compiled_eager == (compiled and attn == "triton"), engine.runner.not_compiled
     arrivals = {0: [0, 1, 2], 3: [3], 5: [4, 5], 9: [6], 14: [7]}
     caps = [30, 12, 25, 20, 30, 8, 27, 16]
     prompts = {str(i): chat_ids(tok, q, SYSTEM if i != 4 else None) for i, q in enumerate(QUESTIONS)}

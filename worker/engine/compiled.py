@@ -8,8 +8,9 @@ compiled, not the whole model: they are the same code with other weights, so one
 as fast as one of 2. The row count is symbolic too: every decode bucket runs the same compiled code, and each
 bucket's CUDA graph is captured from it (device.DecodeGraphs).
 
-A layer runs compiled only when called with a decode step's buffers (`engine_tables`); eager steps (prefill
-chunks, mixed steps) call the model's own code.
+A layer runs compiled when called with a step's buffers: a decode step's (`engine_tables`, through
+paged_decode) or an eager step's plan (`engine_plan`, prefill chunks and mixed steps through paged_chunks, the
+token count symbolic too); called without them it runs the model's own code.
 """
 
 from __future__ import annotations
@@ -52,14 +53,19 @@ class CompiledLayers:
         compiled = self.compiled
 
         def forward(hidden_states, *args, **kwargs):
-            if "engine_tables" not in kwargs:
+            if "engine_tables" not in kwargs and "engine_plan" not in kwargs:
                 return eager(hidden_states, *args, **kwargs)
-            # The row count varies by bucket: symbolic from the first compilation on, never specialised.
+            # Row counts, sequences and table widths vary from step to step: symbolic from the first compilation
+            # on, never specialised.
             torch._dynamo.maybe_mark_dynamic(hidden_states, 1)
             for t in kwargs.get("position_embeddings") or ():
                 torch._dynamo.maybe_mark_dynamic(t, 1)
             for name in ("engine_slots", "engine_tables", "engine_lens"):
-                torch._dynamo.maybe_mark_dynamic(kwargs[name], 0)
+                if name in kwargs:
+                    torch._dynamo.maybe_mark_dynamic(kwargs[name], 0)
+            for t in kwargs.get("engine_plan", ()):
+                for dim in range(t.dim()):
+                    torch._dynamo.maybe_mark_dynamic(t, dim)
             with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
                 return compiled(layer, hidden_states, *args, **kwargs)
 

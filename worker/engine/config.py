@@ -21,8 +21,8 @@ class EngineConfig:
     attention_backend: str | None = None  # "kernel", "gather" or "flex"; None: $ATTENTION_BACKEND, else the device's best
     decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";
                                          # None: $DECODE_ATTENTION, else "flex", falling back to "gather"
-    compile_decode: bool | None = None   # decode graphs captured from a torch.compile'd forward (Triton decode
-                                         # attention only); None: $COMPILE_DECODE, else on for CUDA
+    compile_layers: bool | None = None   # decoder layers compiled with torch.compile for steps with Triton
+                                         # attention (compiled.py); None: $COMPILE_LAYERS, else on for CUDA
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
                                          # runs (engine.py); None: off (sizing.py: measured slower on an
                                          # H200; on a CPU it would only delay every token by a step)

@@ -44,9 +44,10 @@ class DecodeGraphs:
 
     def __init__(self, model, kv: torch.Tensor, scratch_block: int, block_size: int, max_num_seqs: int,
                  max_model_len: int, use_graphs: bool, attention_mode: str = "flex", group: int = 1,
-                 compile: bool = False) -> None:
-        """group: query heads per KV head. compile: decode steps through compiled decoder layers (Triton decode
-        attention only; compiled.py), each bucket's graph then captured from the compiled code."""
+                 compiled: CompiledLayers | None = None) -> None:
+        """group: query heads per KV head. compiled: the model's compiled decoder layers (compiled.py, the
+        runner's), which decode steps run through with Triton decode attention, each bucket's graph then
+        captured from the compiled code."""
         if attention_mode not in attention.DECODE_MODES:
             raise ValueError(f"Unknown decode attention {attention_mode!r}; choose one of "
                              f"{', '.join(attention.DECODE_MODES)}.")
@@ -54,6 +55,7 @@ class DecodeGraphs:
         self.kv = kv
         self.block_size = block_size
         self.attention_mode = attention_mode
+        compile = compiled is not None and attention_mode == "triton"
         # Compiled, a step of one row runs in bucket 2: the compiler would specialise a row count of one apart.
         self.sizes = [b for b in buckets(max_num_seqs) if not compile or b > 1 or b == max_num_seqs]
         self.flex = attention_mode == "flex"
@@ -83,14 +85,9 @@ class DecodeGraphs:
         self.padding_rows = 0
         self.capture_s = 0.0
         self.graph_bytes = 0
-        self.compiled: CompiledLayers | None = None
+        self.compiled = compiled if compile else None
         self.compile_s = 0.0
-        self.not_compiled = "" if not compile or self.triton else "decode attention is not triton"
-        if compile and self.triton:
-            try:
-                self.compiled = CompiledLayers(model)
-            except ValueError as exc:
-                self._uncompile(str(exc))
+        self.not_compiled = "" if compiled is None or self.triton else "decode attention is not triton"
 
     def _pad(self, n: int) -> None:
         """Bucket n's rows all padding: a forward outside `run` (warm-up, capture) then writes and reads only the
@@ -169,8 +166,6 @@ class DecodeGraphs:
 
     def _uncompile(self, why: str) -> None:
         log.warning("decode steps run the model uncompiled: compiling it failed (%s)", why.splitlines()[0][:300])
-        if self.compiled is not None:
-            self.compiled.release()
         self.compiled, self.not_compiled = None, why
         self.graphs.clear()
         self.outputs.clear()

@@ -13,6 +13,7 @@ from .attention import flex
 from .attention import Span
 from .block_tables import RowOrder
 from .weights.packed import pack_linears, unpack_linears
+from .compiled import CompiledLayers
 from .config import EngineConfig
 from .device import DecodeGraphs
 from .scheduler import Batch
@@ -80,6 +81,17 @@ class ModelRunner:
                              f"{flex.GPU_MIN_BLOCK} on {self.device.type}, not {config.block_size}; "
                              "change block_size or use 'gather'.")
         self.takes_logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        # Decoder layers compiled for steps with Triton attention (compiled.py): decode graphs are captured from
+        # them, and eager steps run them once they have compiled (_compile_eager).
+        self.compiled: CompiledLayers | None = None
+        self.compiled_eager = False
+        self.not_compiled = ""
+        if sizing.compile_for(config, self.device.type):
+            try:
+                self.compiled = CompiledLayers(model)
+            except ValueError as exc:
+                self.not_compiled = str(exc)
+                log.warning("steps run the model uncompiled: %s", exc)
         # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
         # (enforce_eager=False), where they run eagerly.
         self.decode_graphs: DecodeGraphs | None = None
@@ -93,6 +105,8 @@ class ModelRunner:
 
             _, kv_heads, _ = kv_shape(model)
             paged_triton.warm_up(self.kv[0, 0], self.kv[1, 0], kv_heads * query_group(model), self.num_blocks)
+        if self.compiled is not None and self.attention_backend == "triton":
+            self._compile_eager()
         # Decode rows keep their sequences from step to step wherever block tables persist on the device.
         self.row_order = RowOrder() if self.decode_graphs is not None or self.paged is not None else None
 
@@ -112,7 +126,7 @@ class ModelRunner:
         for mode in modes:
             graphs = DecodeGraphs(model, self.kv, self.num_blocks, config.block_size, config.max_num_seqs,
                                   self.max_len, use_graphs=True, attention_mode=mode, group=query_group(model),
-                                  compile=sizing.compile_for(config, self.device.type))
+                                  compiled=self.compiled)
             if graphs.capture():
                 return graphs
         return None
@@ -136,6 +150,26 @@ class ModelRunner:
                                 config.block_size, query_group(self.model), self.num_blocks, self.device)
 
     @torch.inference_mode()
+    def _compile_eager(self) -> None:
+        """Compile the layers for eager steps now (not in the first request's step): two sequences of one and two
+        tokens over the scratch block, which is all they write. A failure is logged and eager steps stay with the
+        model's own code."""
+        bs, scratch = self.config.block_size, self.num_blocks
+        spans = [Span(0, 1, 1, [scratch, scratch]), Span(1, 2, 2, [scratch, scratch])]
+        start = time.perf_counter()
+        try:
+            self._forward([0, 0, 0], [0, 0, 1], [scratch * bs, scratch * bs, scratch * bs + 1], [2], spans, 0,
+                          compiled=True)
+        except Exception as exc:
+            self.not_compiled = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+            log.warning("eager steps run the model uncompiled: compiling it failed (%s)", self.not_compiled)
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.compiled_eager = True
+        log.info("eager steps compiled in %.1f s", time.perf_counter() - start)
+
+    @torch.inference_mode()
     def _warm_prefill(self) -> None:
         """Compile FlexAttention's prefill form now (as steps run it, under inference mode), not in the first
         step that prefills over a cached prefix."""
@@ -151,6 +185,8 @@ class ModelRunner:
         if self.attention_backend == "gather" and self.paged is not None:
             line += " (cached context read in place)"
         line += "; steps overlapped" if self.config.overlap_steps else "; steps not overlapped"
+        if self.compiled_eager:
+            line += "; eager steps compiled"
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"
@@ -166,8 +202,8 @@ class ModelRunner:
 
     def release_model(self) -> None:
         """Give the model back as it came: dense linears, its own layers' code and its own attention."""
-        if self.decode_graphs is not None and self.decode_graphs.compiled is not None:
-            self.decode_graphs.compiled.release()
+        if self.compiled is not None:
+            self.compiled.release()
         unpack_linears(self.model)
         self.model.set_attn_implementation(self.original_attn)
 
@@ -210,8 +246,17 @@ class ModelRunner:
             elif context == seq.num_tokens:   # the whole sequence is in: its last row gives the next token
                 keep.append(start + n - 1)
 
-        ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, len(batch.decodes), bs,
-                                      self.paged, query_group(self.model))
+        return self._forward(ids, positions, slots, keep, spans, len(batch.decodes), pending, fixes,
+                             self.compiled_eager)
+
+    def _forward(self, ids: list[int], positions: list[int], slots: list[int], keep: list[int], spans: list[Span],
+                 num_decodes: int, pending: torch.Tensor | None = None, fixes: list[tuple[int, int]] = (),
+                 compiled: bool = False) -> torch.Tensor:
+        """An eager step's forward; compiled: through the compiled layers, the step's buffers as arguments."""
+        ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, num_decodes,
+                                      self.config.block_size, self.paged, query_group(self.model),
+                                      least=2 if compiled else 1)
+        step = dict(engine_kv=ctx.kv, engine_slots=ctx.slots, engine_plan=ctx.chunk_plan.parts()) if compiled else {}
         attention.set_context(ctx)
         try:
             input_ids = upload([ids], torch.long, self.device)
@@ -220,9 +265,10 @@ class ModelRunner:
             place_pending(input_ids[0], pending, fixes)
             if self.takes_logits_to_keep:
                 out = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                                 logits_to_keep=keep_t)
+                                 logits_to_keep=keep_t, **step)
                 return out.logits[0]
-            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False).logits[0, keep_t]
+            return self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                              **step).logits[0, keep_t]
         finally:
             attention.set_context(None)
 

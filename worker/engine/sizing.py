@@ -74,10 +74,10 @@ def default_budget(device_type: str) -> int:
 
 
 def compile_for(config, device_type: str) -> bool:
-    """EngineConfig.compile_decode as set, else $COMPILE_DECODE (0 or 1), else on for CUDA."""
-    if config.compile_decode is not None:
-        return config.compile_decode
-    env = os.environ.get("COMPILE_DECODE")
+    """EngineConfig.compile_layers as set, else $COMPILE_LAYERS (0 or 1), else on for CUDA."""
+    if config.compile_layers is not None:
+        return config.compile_layers
+    env = os.environ.get("COMPILE_LAYERS")
     if env in ("0", "1"):
         return env == "1"
     return device_type == "cuda"

@@ -146,9 +146,11 @@ def padded_tables(tables: list[list[int]], width: int, pad: int = 0) -> list[lis
 
 
 def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[Span], num_decodes: int,
-                  block_size: int, paged: flex.PagedTables | None = None, group: int = 1) -> StepContext:
+                  block_size: int, paged: flex.PagedTables | None = None, group: int = 1,
+                  least: int = 1) -> StepContext:
     """`paged`: device buffers for block tables (ModelRunner keeps them), for the flex backend, and for the
-    gather backend where it reads cached context in place (without them it copies contexts out)."""
+    gather backend where it reads cached context in place (without them it copies contexts out). least: the
+    triton backend's plan padded to at least this many sequences (paged_triton.plan)."""
     device = kv.device
     ctx = StepContext(kv=kv, slots=upload(slots, torch.long, device), backend=backend, num_decodes=num_decodes)
     if backend == "triton":
@@ -156,7 +158,8 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
 
         ctx.chunk_plan = paged_triton.plan([s.start for s in spans], [s.length for s in spans],
                                            [s.context for s in spans],
-                                           [s.table[:-(-s.context // block_size)] for s in spans], group, device)
+                                           [s.table[:-(-s.context // block_size)] for s in spans], group, device,
+                                           least=least)
         return ctx
     if backend in ("flex", "gather") and paged is not None:
         _in_place(ctx, spans, num_decodes, paged)
@@ -215,8 +218,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
     # The packed tokens are one "batch of one": [1, heads, T, d] -> [heads, T, d].
     q, k, v = query[0], key[0], value[0]
-    if "engine_tables" in kwargs:   # a compiled decode step: its buffers come as arguments (compiled_decode)
+    if "engine_tables" in kwargs:   # a compiled step: its buffers come as arguments (compiled.py)
         return _decode_op(q, k, v, module.layer_idx, scaling, kwargs).unsqueeze(0), None
+    if "engine_plan" in kwargs:
+        return _chunks_op(q, k, v, module.layer_idx, scaling, kwargs).unsqueeze(0), None
     ctx: StepContext = _local.ctx
     if ctx.backend == "kernel":
         out = _kernel_attention(q, k, v, ctx, module.layer_idx, scaling)
@@ -270,6 +275,17 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sc
     return torch.ops.supportbot.paged_decode(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              step["engine_kv"], layer, step["engine_slots"], step["engine_tables"],
                                              step["engine_lens"], scale)
+
+
+def _chunks_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float | None,
+               step: dict) -> torch.Tensor:
+    """An eager step's spans through the registered operator (ops.py)."""
+    from . import ops  # noqa: F401  (registers torch.ops.supportbot)
+
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    plan = step["engine_plan"]
+    return torch.ops.supportbot.paged_chunks(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             step["engine_kv"], layer, step["engine_slots"], *plan, scale)
 
 
 def _write(k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -275,6 +275,9 @@ class ChunkPlan:
     tile_seq: torch.Tensor    # int32 [tiles]
     tile_first: torch.Tensor  # int32 [tiles]
 
+    def parts(self) -> tuple[torch.Tensor, ...]:
+        return self.tables, self.seq_row, self.seq_len, self.seq_ctx, self.tile_seq, self.tile_first
+
 
 # Each part of a plan starts on a 16-byte boundary: Triton compiles a kernel apart for a pointer that is not (a
 # compilation of seconds in the middle of serving, for whichever step first packs its parts otherwise).
@@ -282,13 +285,18 @@ ALIGN = 4
 
 
 def plan(rows: list[int], lengths: list[int], contexts: list[int], tables: list[list[int]], group: int,
-         device: torch.device, tuning: Tuning = TUNING) -> ChunkPlan:
+         device: torch.device, tuning: Tuning = TUNING, least: int = 1) -> ChunkPlan:
     """The plan of an eager step's sequences (first row, rows and context each; tables padded to one width),
-    uploaded in one int32 copy."""
+    uploaded in one int32 copy. least: at least this many sequences, tiles and table columns (padding sequences
+    have no rows): a compiled step then never sees a size of one, which the compiler would specialise."""
     from ..transfer import upload
 
-    width = max(map(len, tables))
+    width = max(least, max(map(len, tables)))
     tile_seq, tile_first = tiles(lengths, group, tuning)
+    pad = max(0, least - len(rows))
+    rows, lengths, contexts, tables = rows + [0] * pad, lengths + [0] * pad, contexts + [0] * pad, tables + [[]] * pad
+    tile_seq += [len(rows) - 1] * max(0, least - len(tile_seq))
+    tile_first += [0] * (len(tile_seq) - len(tile_first))
     parts = [[b for t in tables for b in t + [0] * (width - len(t))], rows, lengths, contexts, tile_seq, tile_first]
     flat, starts = [], []
     for part in parts:

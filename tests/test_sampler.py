@@ -233,6 +233,21 @@ def test_same_seed_plain_temperature_is_batch_independent() -> None:
     assert decode(target, 99, MATES[::-1], 1) == alone
 
 
+RACE_MATES = [(SamplingParams(temperature=1.0), 1), (SamplingParams(temperature=0), 2),
+              (SamplingParams(temperature=0.5, repetition_penalty=1.5), 3)]
+
+
+def test_the_race_draw_is_batch_independent_and_greedy_rows_stay_exact() -> None:
+    target = SamplingParams(temperature=0.8)
+    alone = decode(target, 7, [], 0, sampler=Sampler(race=True))
+    assert len(set(alone)) > 3
+    assert decode(target, 7, RACE_MATES, 2, sampler=Sampler(race=True)) == alone
+    assert decode(target, 7, RACE_MATES[::-1], 0, sampler=Sampler(race=True)) == alone
+    # a greedy row in the race batch is the exact argmax, as in the other draw
+    greedy = SamplingParams(temperature=0)
+    assert decode(greedy, 3, RACE_MATES, 1, sampler=Sampler(race=True)) == decode(greedy, 3, [], 0)
+
+
 def test_different_seeds_give_different_samples() -> None:
     first = decode(SamplingParams(temperature=1.5), 1, [], 0)
     second = decode(SamplingParams(temperature=1.5), 2, [], 0)
@@ -275,14 +290,15 @@ def expected_probs(logits_row: torch.Tensor, params: SamplingParams, history: li
     dict(temperature=0.9, top_k=8, top_p=0.85, repetition_penalty=1.8),
     dict(temperature=1.3, repetition_penalty=0.6),
 ], ids=["temperature", "top-k", "top-p", "all", "penalty-below-one"])
-@pytest.mark.parametrize("candidates", [CPU_CANDIDATES, 0], ids=["candidates", "full-sort"])
-def test_draw_frequencies_match_transformers_processors(config: dict, candidates: int) -> None:
+@pytest.mark.parametrize("candidates", [CPU_CANDIDATES, 0, "race"], ids=["candidates", "full-sort", "race"])
+def test_draw_frequencies_match_transformers_processors(config: dict, candidates: int | str) -> None:
     params = SamplingParams(**config)
     vocab, rows = 24, 40_000
     logits_row = random_logits(1, vocab=vocab, seed=5, scale=1.5)[0]
     history = [0, 3, 3, 7, 11]
     want = expected_probs(logits_row, params, history)
-    got = Sampler(candidates)(logits_row.expand(rows, -1), [params] * rows, [history] * rows, list(range(rows)))
+    sampler = Sampler(race=True) if candidates == "race" else Sampler(candidates)
+    got = sampler(logits_row.expand(rows, -1), [params] * rows, [history] * rows, list(range(rows)))
     freq = torch.bincount(got, minlength=vocab).double() / rows
     assert set(got.unique().tolist()) <= set(torch.nonzero(want).flatten().tolist())
     assert bool((freq[want == 0] == 0).all())
@@ -880,3 +896,12 @@ def test_unconstrained_rows_draw_the_same_beside_a_constrained_one(candidates: i
         assert torch.equal(mixed[:rows], alone), step
         allowed = reference_allowed(bits, vocab)
         assert bool(allowed[0, mixed[rows]]) and bool(allowed[1, mixed[rows + 1]])
+
+
+def test_the_compiled_race_draws_what_the_race_draws() -> None:
+    logits = peaked_logits(6, 4096, seed=3)
+    rows = sampler_module.RowParams.build([SamplingParams(temperature=t) for t in (0.0, 0.6, 1.0, 1.4, 0.6, 0.0)],
+                                          list(range(6)), 4096, logits.device)
+    positions = torch.tensor([5, 6, 7, 8, 9, 10])
+    args = (logits, rows.temperature, rows.greedy, rows.key_a, rows.key_b, positions)
+    assert torch.equal(sampler_module.race_compiled(*args), sampler_module.race(*args))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import secrets
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from worker.engine.transfer import upload
 # whole row (EngineConfig.sampler_candidates; 0 takes the device path on CPU too). On a device nothing is read on
 # the host in the middle of a step: a top-k cut-off is found among the best max(k) + 1 tokens, and only a top-p row
 # without a top-k sorts its whole row.
+log = logging.getLogger(__name__)
 CPU_CANDIDATES = 256
 MAX_CANDIDATES = 1024
 _M32 = 0xFFFFFFFF
@@ -66,6 +68,44 @@ def uniforms(key_a: torch.Tensor, key_b: torch.Tensor, positions: torch.Tensor) 
     """One float32 in [0, 1) per row from its keys and the position of the token being drawn."""
     h = mix32(mix32((positions & _M32) ^ key_a) ^ key_b)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def race(scores: torch.Tensor, temperature: torch.Tensor, greedy: torch.Tensor, key_a: torch.Tensor,
+         key_b: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One token per row: argmax(scores / T + g), g a Gumbel variate per token, which is an exact draw from
+    softmax(scores / T) (the Gumbel-max trick) in one pass over the row; greedy rows take argmax(scores).
+
+    Token j's variate at a row's position comes from a hash of (seed, position, j), so a draw does not depend on
+    the batch. It is g = -log(E) with E = -log1p(-v) and v = (hash + 1/2) / 2**32: small v keep their relative
+    precision in float32, so the variates that win (small E) are exact to about 23 (a truncation at probability
+    1e-10 per token)."""
+    vocab = scores.shape[1]
+    ids = torch.arange(vocab, device=scores.device)
+    row = mix32((positions & _M32) ^ key_a)
+    h = mix32(mix32(row[:, None] ^ ids) ^ key_b[:, None])
+    v = (h.to(torch.float32) + 0.5) * (1.0 / 2**32)
+    gumbel = -torch.log(-torch.log1p(-v))
+    x = scores.float() / temperature + torch.where(greedy[:, None], 0.0, gumbel)
+    return x.argmax(dim=-1)
+
+
+_race_compiled = None
+
+
+def race_compiled(*args) -> torch.Tensor:
+    """`race` as one fused kernel (inductor): eagerly it is about twenty passes over [rows, vocab]. Where it does
+    not compile, `race` runs eagerly (logged once): the same draws, slower."""
+    global _race_compiled
+    if _race_compiled is None:
+        _race_compiled = torch.compile(race, dynamic=True)
+    if _race_compiled is race:
+        return race(*args)
+    try:
+        return _race_compiled(*args)
+    except Exception:
+        log.exception("the sampler's fused draw did not compile; drawing with eager operations")
+        _race_compiled = race
+        return race(*args)
 
 
 # ---- per-row parameters, built once per set of requests ----------------------------------------------------------
@@ -463,10 +503,14 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams], his
 
 class Sampler:
     """Picks one token per row. Greedy rows take the exact argmax; sampled rows draw with one uniform from
-    (seed, position), so a request's tokens do not depend on which other requests share the batch."""
+    (seed, position), so a request's tokens do not depend on which other requests share the batch.
 
-    def __init__(self, candidates: int | None = None) -> None:
+    On CUDA, a batch whose sampled rows have no top-k, top-p or min_p (temperature alone, after any processor)
+    draws by `race` instead: one fused pass over the logits, where the inverse-CDF draw takes about eight."""
+
+    def __init__(self, candidates: int | None = None, race: bool | None = None) -> None:
         self.candidates = candidates   # CPU: 0 takes the device path; None: CPU_CANDIDATES
+        self.race = race               # None: on CUDA
         self.history = TokenHistory()     # whole histories, for the repetition penalty
         self.generated = TokenHistory()   # generated tokens only, for the presence and frequency penalties
         self._rows_key: tuple | None = None
@@ -495,13 +539,20 @@ class Sampler:
         if rows.all_greedy and not rows.any_processor and masks is None:
             return logits.argmax(dim=-1)   # plain greedy decoding: nothing to process
 
+        positions = upload([len(h) for h in histories], torch.int64, device)
+        if (self.race if self.race is not None else device.type == "cuda") and not rows.any_filter \
+                and not rows.any_min_p:
+            scores = logits if not rows.any_processor and masks is None else \
+                processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks)
+            draw = race_compiled if device.type == "cuda" else race
+            return draw(scores, rows.temperature, rows.greedy, rows.key_a, rows.key_b, positions)
         scores = processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks)
         greedy_tokens = scores.argmax(dim=-1) if rows.any_greedy else None
         if rows.all_greedy:
             return greedy_tokens
         if rows.any_temperature:
             scores = scores / rows.temperature
-        u = uniforms(rows.key_a, rows.key_b, upload([len(h) for h in histories], torch.int64, device))
+        u = uniforms(rows.key_a, rows.key_b, positions)
         tokens = self._draw(scores, rows, u, masks is not None)
         return tokens if greedy_tokens is None else torch.where(rows.greedy, greedy_tokens, tokens)
 

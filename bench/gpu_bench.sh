@@ -6,6 +6,8 @@
 #
 #   bash bench/gpu_bench.sh PART [OUT]
 #
+#   bash bench/gpu_bench.sh run OUT NAME BENCH-ARGS...   (one run of `python -m bench`, kept as NAME)
+#
 # PART: defaults | baseline | attention | profile | first | trace | check | steps | sampler | overlap | mixed | memory | w256 |
 #       nano | budget | backend | all
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results). Every run of a part is
@@ -54,6 +56,12 @@ bench() {   # bench NAME ARGS...: one run, its log and JSON kept; a crash is rec
     fi
 }
 
+case $part in
+run)            # one run: NAME and its arguments follow OUT
+    [ $# -ge 3 ] || { echo "usage: bash bench/gpu_bench.sh run OUT NAME ARGS..." >&2; exit 2; }
+    name=$3; shift 3
+    bench "$name" "$@" ;;
+esac
 case $part in
 attention|all)  # decode attention alone: the installed torch's flex decoding lines, then Triton (splits, key tiles,
                 # block sizes 16 and 64) against FlexAttention at 16, 64 and 256 rows, in us and GB/s
@@ -185,7 +193,7 @@ backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every
     done ;;
 esac
 case $part in
-attention|defaults|baseline|profile|first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
+run|attention|defaults|baseline|profile|first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
 *) echo "unknown part '$part'" >&2; exit 2 ;;
 esac
 

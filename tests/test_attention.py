@@ -110,11 +110,16 @@ def test_backend_choice_follows_the_config_then_the_device(monkeypatch):
         attention.choose_backend("kernel", cpu, torch.bfloat16)
     with pytest.raises(ValueError, match="Unknown attention backend"):
         attention.choose_backend("flash", cpu, torch.float32)
-    # CUDA (no device needed to choose): flex where its kernel takes the block size, else gather, as asked
+    # CUDA (no device needed to choose): the Triton kernels where Triton imports (any block size), else flex where
+    # its kernel takes the block size, else gather, as asked
     cuda = torch.device("cuda")
+    assert attention.choose_backend(None, cuda, torch.bfloat16) == "triton"
+    assert attention.choose_backend(None, cuda, torch.float32, block_size=8) == "triton"
+    assert attention.choose_backend("gather", cuda, torch.bfloat16) == "gather"
+    assert attention.choose_backend("flex", cuda, torch.bfloat16) == "flex"
+    monkeypatch.setattr(attention.paged, "triton_available", lambda: False)
     assert attention.choose_backend(None, cuda, torch.bfloat16) == "flex"
     assert attention.choose_backend(None, cuda, torch.float32, block_size=8) == "gather"
-    assert attention.choose_backend("gather", cuda, torch.bfloat16) == "gather"
 
 
 def test_without_a_compiler_the_gather_backend_runs(monkeypatch, tmp_path):

@@ -73,6 +73,9 @@ def test_compiled_decode_steps_write_the_pool_in_place_and_match_the_model(qwen3
     assert calls
     for line in calls:   # the pool goes to the operator as the layer's own input: never a copy
         assert re.fullmatch(r"arg\d+_1", call_arguments(line, "paged_decode.default(")[3]), line
+    # four matmuls a layer: q/k/v stacked, o, gate/up stacked, down
+    for code in codes:
+        assert len(re.findall(r"extern_kernels\.(?:mm|addmm|bmm)\(", code)) == 4, code
     assert "forward" not in qwen3.model.layers[0].__dict__   # released: the layers' own code again
 
 
@@ -80,3 +83,26 @@ def test_an_eager_steps_plan_never_has_a_size_of_one_to_specialise():
     plan = paged_triton.plan([0], [1], [5], [[7]], 2, torch.device("cpu"), least=2)
     assert all(min(t.shape) >= 2 for t in plan.parts())
     assert plan.seq_len.tolist() == [1, 0] and plan.tile_seq.tolist() == [0, 1]
+
+
+def test_an_engine_compiles_before_serving_and_never_while_it_serves(tiny_model_dirs):
+    """Eager steps of any size (prompts of 1 to 40 tokens, chunked, beside decodes) and decode steps of any row
+    count run the code compiled when the engine started."""
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    torch._dynamo.reset()
+    model, tok = load_model(str(tiny_model_dirs["qwen3"]))
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
+                                                num_blocks=64, attention_backend="triton", enforce_eager=False,
+                                                decode_attention="triton", compile_layers=True,
+                                                pack_cpu_linears=False))
+    assert engine.runner.compiled_eager and engine.runner.decode_graphs.compiled is not None
+    compiled_frames = counters["frames"]["ok"]
+    for i, length in enumerate([1, 7, 40, 3, 12]):
+        engine.add_request(str(i), prompt_token_ids=list(range(5, 5 + length)),
+                           params=SamplingParams(temperature=0, max_new_tokens=6))
+        engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    assert counters["frames"]["ok"] == compiled_frames
+    engine.release_model()

@@ -103,7 +103,7 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     assert attention.choose_decode_attention(None) == "gather"
     assert attention.choose_decode_attention("flex") == "flex"
     monkeypatch.setenv("DECODE_ATTENTION", "paged")
-    with pytest.raises(ValueError, match="Unknown decode attention 'paged'; choose one of flex, gather"):
+    with pytest.raises(ValueError, match="Unknown decode attention 'paged'; choose one of triton, flex, gather"):
         attention.choose_decode_attention(None)
 
 

@@ -6,7 +6,8 @@ compiler fuses the elementwise work between the matmuls; attention is one regist
 compiled, not the whole model: they are the same code with other weights, so one compilation serves all of them
 (the layer index, which picks the layer's part of the pool, stays symbolic), and a model of 28 layers compiles
 as fast as one of 2. The row count is symbolic too: every decode bucket runs the same compiled code, and each
-bucket's CUDA graph is captured from it (device.DecodeGraphs).
+bucket's CUDA graph is captured from it (device.DecodeGraphs). q/k/v and gate/up run as one matmul each
+(weights/merged.py).
 
 A layer runs compiled when called with a step's buffers: a decode step's (`engine_tables`, through
 paged_decode) or an eager step's plan (`engine_plan`, prefill chunks and mixed steps through paged_chunks, the
@@ -18,6 +19,8 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from .weights import merged
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +47,10 @@ class CompiledLayers:
         if len(kinds) != 1:
             raise ValueError(f"the decoder layers are of {len(kinds)} kinds; one compiled forward serves one")
         self.layers = layers
+        self.model = model
+        # q/k/v and gate/up as one matmul each in the compiled code (weights/merged.py)
+        self.graph_pass = merged.graph_pass()
+        self.stacks = merged.merge_linears(layers) if self.graph_pass is not None else 0
         self.compiled = torch.compile(next(iter(kinds)).forward, fullgraph=True)
         for layer in layers:
             layer.forward = self._forward_of(layer)
@@ -66,7 +73,8 @@ class CompiledLayers:
             for t in kwargs.get("engine_plan", ()):
                 for dim in range(t.dim()):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
-            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+            with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \
+                    torch._inductor.config.patch(post_grad_custom_pre_pass=self.graph_pass):
                 return compiled(layer, hidden_states, *args, **kwargs)
 
         return forward
@@ -74,3 +82,4 @@ class CompiledLayers:
     def release(self) -> None:
         for layer in self.layers:
             layer.__dict__.pop("forward", None)
+        merged.unmerge_linears(self.layers)

@@ -43,7 +43,7 @@ class Tuning:
     chunk_block_n: int = 64
     chunk_warps: int = 4
     chunk_stages: int = 2
-    programs_per_sm: int = 4    # decode: splits are chosen to give about this many programs per multiprocessor
+    programs_per_sm: int = 1    # decode: context splits only while (rows x KV heads) programs leave multiprocessors idle
 
 
 TUNING = Tuning()
@@ -224,10 +224,13 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def splits_for(rows: int, kv_heads: int, device: torch.device, tuning: Tuning = TUNING) -> int:
-    """Context splits for a decode launch: enough (row, KV head, split) programs to fill the multiprocessors."""
+    """Context splits for a decode launch: only while one program per (row, KV head) leaves multiprocessors idle.
+    On an H200 (132 multiprocessors) one split was fastest from 16 rows of 8 KV heads up, at contexts of 700 and
+    2,048 (a split's partial results and the merge cost more than they saved: docs/BENCHMARKS.md, "GPU"); fewer
+    rows split their context, unmeasured."""
     if device.type != "cuda":
         return 1 if rows * kv_heads >= 8 else 2   # the interpreter: exercise both forms, cheaply
-    want = -(-_multiprocessors(device) * tuning.programs_per_sm // max(1, rows * kv_heads))
+    want = _multiprocessors(device) * tuning.programs_per_sm // max(1, rows * kv_heads)
     return max(1, min(MAX_SPLITS, want))
 
 

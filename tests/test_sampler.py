@@ -905,3 +905,13 @@ def test_the_compiled_race_draws_what_the_race_draws() -> None:
     positions = torch.tensor([5, 6, 7, 8, 9, 10])
     args = (logits, rows.temperature, rows.greedy, rows.key_a, rows.key_b, positions)
     assert torch.equal(sampler_module.race_compiled(*args), sampler_module.race(*args))
+
+
+def test_warming_up_compiles_the_fused_draw_for_one_row_and_more(monkeypatch) -> None:
+    calls = []
+    monkeypatch.setattr(sampler_module, "race_compiled", lambda *args: calls.append(args[0].shape))
+    Sampler(race=True).warm_up(64, torch.device("cpu"))
+    assert calls == [(2, 64), (1, 64)]
+    calls.clear()
+    Sampler().warm_up(64, torch.device("cpu"))   # the CPU's draw is not the race: nothing to compile
+    assert calls == []

@@ -110,6 +110,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
         self.sampler = Sampler(self.config.sampler_candidates)
+        self.sampler.warm_up(self.vocab, self.device)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.grammars = Grammars(tokenizer, self.eos_ids, self.vocab)
         self.seqs: dict[str, Sequence] = {}   # request id -> its first choice (`group` holds them all)

@@ -517,6 +517,17 @@ class Sampler:
         self._rows_params: list[SamplingParams] = []
         self._rows: RowParams | None = None
 
+    def warm_up(self, vocab: int, device: torch.device) -> None:
+        """Compile the fused draw before serving (seconds, the first time): one row and two, the row counts the
+        compiler tells apart (it specialises a count of one)."""
+        if not (self.race if self.race is not None else device.type == "cuda"):
+            return
+        for rows in (2, 1):
+            logits = torch.zeros(rows, vocab, device=device)
+            params = RowParams.build([SamplingParams(temperature=0.5)] * rows, [0] * rows, vocab, device)
+            race_compiled(logits, params.temperature, params.greedy, params.key_a, params.key_b,
+                          torch.zeros(rows, dtype=torch.int64, device=device))
+
     def rows_for(self, params: Sequence[SamplingParams], seeds: Sequence[int], vocab: int,
                  device: torch.device) -> RowParams:
         """Per-row tensors, rebuilt only when the batch's requests change (params are held, so ids stay unique)."""

@@ -77,10 +77,10 @@ def compile_for(config, device_type: str) -> bool:
     """EngineConfig.compile_layers as set, else $COMPILE_LAYERS (0 or 1), else on for CUDA."""
     if config.compile_layers is not None:
         return config.compile_layers
-    env = os.environ.get("COMPILE_LAYERS")
-    if env in ("0", "1"):
-        return env == "1"
-    return device_type == "cuda"
+    env = (os.environ.get("COMPILE_LAYERS") or "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"COMPILE_LAYERS must be 1 or 0; got {env!r}.")
+    return env == "1" if env else device_type == "cuda"
 
 
 def overlap_for(config, device_type: str) -> bool:

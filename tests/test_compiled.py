@@ -106,3 +106,30 @@ def test_an_engine_compiles_before_serving_and_never_while_it_serves(tiny_model_
         engine.step()
     assert counters["frames"]["ok"] == compiled_frames
     engine.release_model()
+
+
+def test_a_model_the_compiled_path_cannot_take_runs_its_own_code_and_says_why(tiny_model_dirs, caplog):
+    """GPT-2 keeps its blocks in model.transformer.h, not a decoder-layer list: steps run its own code, the log
+    names why once, and the answers are generate's."""
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    model, tok = load_model(str(tiny_model_dirs["gpt2"]))
+    ref = load_model(str(tiny_model_dirs["gpt2"]))[0]
+    with caplog.at_level("WARNING", logger="worker.engine.model_runner"):
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=2, max_num_batched_tokens=16, block_size=4,
+                                                    num_blocks=32, attention_backend="triton", enforce_eager=False,
+                                                    decode_attention="triton", compile_layers=True))
+    assert engine.runner.compiled is None and not engine.runner.compiled_eager
+    assert "no list of decoder layers" in engine.runner.not_compiled
+    assert [r.getMessage() for r in caplog.records if "uncompiled" in r.getMessage()] == [
+        "steps run the model uncompiled: GPT2LMHeadModel has no list of decoder layers (model.model.layers)"]
+    ids = list(range(5, 17))
+    engine.add_request("a", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=8))
+    results = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            if event.finished:
+                results[event.request_id] = event
+    want = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                        max_new_tokens=8, do_sample=False)[0, len(ids):].tolist()
+    assert results["a"].token_ids == want

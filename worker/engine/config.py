@@ -24,8 +24,7 @@ class EngineConfig:
     compile_layers: bool | None = None   # decoder layers compiled with torch.compile for steps with Triton
                                          # attention (compiled.py); None: $COMPILE_LAYERS, else on for CUDA
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
-                                         # runs (engine.py); None: off (sizing.py: measured slower on an
-                                         # H200; on a CPU it would only delay every token by a step)
+                                         # runs (engine.py); None: off (sizing.py)
     sampler_candidates: int | None = None  # CPU: top-k/top-p searched among this many best tokens first (0: the
                                            # device path); None: 256. Elsewhere never: no host reads (sampler.py)
 

@@ -18,10 +18,8 @@ DEFAULT_SLOTS = {"cpu": 16, "cuda": 256}
 # 256 for prompts, so it takes vLLM's default for online serving (not measured here).
 DEFAULT_BUDGET = {"cpu": 512, "cuda": 8192}
 CPU_KV_CACHE_GIB = 1.0
-# Overlapped steps when EngineConfig.overlap_steps is None: off everywhere. On an H200 (`bench/gpu_bench.sh
-# overlap`, nano's shape, 256 slots) overlapped steps made 4,545 tok/s against 5,047 without (one run each,
-# docs/BENCHMARKS.md, "GPU"): a 256-row decode step there is 83% device time, so there is little host work to
-# hide. A CPU has nothing to overlap them with, and each token would come a step later.
+# Overlapped steps when EngineConfig.overlap_steps is None: off everywhere. On a GPU they measured slower
+# (docs/BENCHMARKS.md, "GPU"); a CPU has nothing to overlap them with, and each token would come a step later.
 DEFAULT_OVERLAP = {"cpu": False, "cuda": False}
 # Bytes per [rows, vocab] entry the sampler may hold at once: float32 copies of the scores (processed, scaled,
 # weights, running sums) and, for top-k/top-p on a GPU, a full sort: sorted values and int64 indices, its int64

@@ -108,10 +108,9 @@ def triton_available() -> bool:
 
 
 def choose_backend(requested: str | None, device: torch.device, dtype: torch.dtype, block_size: int = 16) -> str:
-    """The backend to run: the one asked for (EngineConfig or ATTENTION_BACKEND), else the device's best: the C
-    kernel on a CPU in float32; on CUDA the Triton kernels (paged_triton.py), else "flex" where its kernel takes
-    the block size (measured on an H200: mixed steps 8x faster than "gather", whose per-chunk SDPA calls cost
-    host time for every new prompt length; docs/BENCHMARKS.md, "GPU"), else "gather"."""
+    """The backend to run: the one asked for (EngineConfig or ATTENTION_BACKEND), else the device's best as
+    measured (docs/BENCHMARKS.md): the C kernel on a CPU in float32; on CUDA the Triton kernels
+    (paged_triton.py), else "flex" where its kernel takes the block size, else "gather"."""
     requested = requested or os.environ.get("ATTENTION_BACKEND") or None
     if requested is not None and requested not in BACKENDS:
         raise ValueError(f"Unknown attention backend {requested!r}; choose one of {', '.join(BACKENDS)}.")
@@ -364,8 +363,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
 
 
 # SDPA backends for prefill chunks on CUDA, in order: cuDNN's is left out, since it plans a graph on the host for
-# every new query length (1.4 ms a call on an H200, 0.6 s a step of 15 chunks on 28 layers), and every prompt
-# has its own length. Flash takes grouped-query attention in bf16/fp16; the math backend takes everything else.
+# every new query length, and every prompt has its own length. Flash takes grouped-query attention in bf16/fp16; the math backend takes everything else.
 _CUDA_SDPA = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
 
 

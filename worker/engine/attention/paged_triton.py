@@ -224,10 +224,8 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def splits_for(rows: int, kv_heads: int, device: torch.device, tuning: Tuning = TUNING) -> int:
-    """Context splits for a decode launch: only while one program per (row, KV head) leaves multiprocessors idle.
-    On an H200 (132 multiprocessors) one split was fastest from 16 rows of 8 KV heads up, at contexts of 700 and
-    2,048 (a split's partial results and the merge cost more than they saved: docs/BENCHMARKS.md, "GPU"); fewer
-    rows split their context, unmeasured."""
+    """Context splits for a decode launch: only while one program per (row, KV head) leaves multiprocessors idle
+    (a split's partial results and their merge cost more than they save once the GPU is full)."""
     if device.type != "cuda":
         return 1 if rows * kv_heads >= 8 else 2   # the interpreter: exercise both forms, cheaply
     want = _multiprocessors(device) * tuning.programs_per_sm // max(1, rows * kv_heads)

@@ -1,7 +1,7 @@
 """CPU matmuls through oneDNN with weights packed once, instead of MKL re-reading row-major weights.
 
-At the batch sizes a serving step has (16-64 rows), prepacked oneDNN linears run 2-4x faster than
-`F.linear` on the same float32 weights (the 49152-wide lm_head most of all); see docs/BENCHMARKS.md.
+At the batch sizes a serving step has (16-64 rows), prepacked oneDNN linears run faster than `F.linear` on the
+same float32 weights (the 49152-wide lm_head most of all; docs/BENCHMARKS.md).
 The swap is reversible, and modules are replaced, not model code.
 """
 

@@ -16,6 +16,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # CUDA: share of the memory left to this process (model included)
     max_model_len: int | None = None     # None: the model's own context length
     enable_prefix_caching: bool = True
+    bulk_token_share: float = 0.1        # while bulk requests wait, they are admitted ahead of standard ones until
+                                         # bulk work has this share of the step's token budget (scheduler.py)
     pack_cpu_linears: bool = True        # oneDNN prepacked matmuls on CPU (see weights/packed.py)
     enforce_eager: bool | None = None    # None: decode graphs on CUDA, eager on CPU; False on CPU: static buffers
     attention_backend: str | None = None  # "kernel", "gather" or "flex"; None: $ATTENTION_BACKEND, else the device's best
@@ -40,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.sampler_candidates must be 0 or more; got {self.sampler_candidates!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be positive; got {self.num_blocks}")
+        if not 0 <= self.bulk_token_share <= 1:
+            raise ValueError(f"EngineConfig.bulk_token_share must be between 0 and 1; got {self.bulk_token_share}")
         if self.kv_cache_memory_gib is not None and self.kv_cache_memory_gib <= 0:
             raise ValueError(f"EngineConfig.kv_cache_memory_gib must be positive; got {self.kv_cache_memory_gib}")
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -21,7 +21,7 @@ from .outputs import EngineStats, Event, RequestFinished, TokenDelta, TokenLogpr
 from .sampler import Pending, Sampler, choice_seed, random_seed
 from .sampling_params import SamplingParams
 from .scheduler import Batch, Scheduler
-from .sequence import PENDING, Sequence, Status
+from .sequence import PENDING, SERVICE_CLASSES, Sequence, Status
 from .transfer import Readback, upload
 
 log = logging.getLogger(__name__)
@@ -152,13 +152,17 @@ class LLMEngine:
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int] | None = None,
                       messages: list[dict] | None = None, params: SamplingParams | None = None,
-                      arrival_time: float | None = None) -> Sequence:
+                      arrival_time: float | None = None, service_class: str = "standard") -> Sequence:
         """Validate a request and build its state; raises InvalidRequestError or InvalidParamsError.
 
         Returns the first choice; `group` holds all n. A structure is compiled here, in the caller's thread (once
-        per distinct structure: later requests copy the compiled matcher)."""
+        per distinct structure: later requests copy the compiled matcher). service_class: one of
+        SERVICE_CLASSES, which the scheduler serves in order (scheduler.py)."""
         params = params or SamplingParams()
         params.validate()
+        if service_class not in SERVICE_CLASSES:
+            raise InvalidRequestError(f"Unknown service class {service_class!r}; choose one of "
+                                      f"{', '.join(SERVICE_CLASSES)}.")
         if (prompt_token_ids is None) == (messages is None):
             raise InvalidRequestError("Give exactly one of prompt_token_ids or messages.")
         ids = self.render_chat(messages) if messages is not None else list(prompt_token_ids)
@@ -183,7 +187,8 @@ class LLMEngine:
             request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=arrival_time,
             seed=choice_seed(seed, index), detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             index=index, matcher=self.grammars.matcher(params.structure) if params.structure is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else []) for index in range(params.n)]
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else [], service_class=service_class)
+            for index in range(params.n)]
         for seq in group:
             seq.group = group
         return group[0]
@@ -192,8 +197,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
                     messages: list[dict] | None = None, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> Sequence:
-        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time)
+                    arrival_time: float | None = None, service_class: str = "standard") -> Sequence:
+        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class)
         self._enqueue(seq)
         return seq
 
@@ -537,7 +542,7 @@ class LLMEngine:
             running=len(self.scheduler.running), waiting=len(self.scheduler.waiting) + len(self._inbox),
             kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free,
             kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
-            preemptions=self.scheduler.num_preemptions,
+            preemptions=self.scheduler.num_preemptions, class_preemptions=self.scheduler.num_class_preemptions,
             prefix_cache_hit_tokens=self.blocks.prefix_hit_tokens,
             prefix_cache_query_tokens=self.blocks.prefix_query_tokens,
             last_batch_seqs=self.last_batch[0], last_batch_tokens=self.last_batch[1])
@@ -579,9 +584,10 @@ class LLMEngine:
 
     def submit(self, request_id: str, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, params: SamplingParams | None = None,
-               arrival_time: float | None = None, outbox: queue.Queue[list[Event]] | None = None) -> RequestStream:
+               arrival_time: float | None = None, outbox: queue.Queue[list[Event]] | None = None,
+               service_class: str = "standard") -> RequestStream:
         """Queue a request from any thread; bad requests raise here, in the caller's thread."""
-        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time)
+        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class)
         stream = RequestStream(self, request_id, outbox)
         with self._lock:
             if self._stopping or self._thread is None:

@@ -87,6 +87,7 @@ class EngineStats:
     prefix_cache_query_tokens: int
     last_batch_seqs: int
     last_batch_tokens: int
+    class_preemptions: int = 0          # of the preemptions, those that started a waiting interactive request
 
     @property
     def kv_usage(self) -> float:

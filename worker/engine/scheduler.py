@@ -1,10 +1,16 @@
-"""Iteration-level scheduling: which sequences run in the next forward pass, and how many tokens each."""
+"""Iteration-level scheduling: which sequences run in the next forward pass, and how many tokens each.
+
+Requests are served by service class (sequence.SERVICE_CLASSES), then by arrival. A waiting interactive request
+that finds every slot or the KV pool taken preempts the newest request of a lower class, so it starts in this
+step (the preempted one resumes later with the same tokens, its full blocks kept in the prefix cache while the
+pool can hold them). Bulk requests are not starved: while they wait and bulk work has less than
+EngineConfig.bulk_token_share of the step's token budget, the first of them is admitted ahead of standard ones.
+"""
 
 from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager
@@ -31,23 +37,28 @@ class Batch:
         return bool(self.decodes or self.prefills)
 
 
+def _waiting_order(seq: Sequence) -> tuple:
+    """Class first; within a class preempted sequences first, then arrival (not submission: requests handed over
+    by several threads, or redelivered after a fault, are served first come, first served)."""
+    return seq.rank, seq.num_preemptions == 0, seq.arrival_time
+
+
+def _running_order(seq: Sequence) -> tuple:
+    """Class, then arrival: the last running sequence is the newest of the least urgent class, preempted first."""
+    return seq.rank, seq.arrival_time
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []   # kept in arrival order: the newest is preempted first
+        self.waiting: list[Sequence] = []   # in _waiting_order
+        self.running: list[Sequence] = []   # in _running_order
         self.num_preemptions = 0
+        self.num_class_preemptions = 0      # of them, made to start a waiting interactive request
 
     def add(self, seq: Sequence) -> None:
-        """Queue in order of arrival, not of submission: requests handed over by several threads (or
-        redelivered after a fault) are admitted first come, first served. New arrivals are usually the
-        newest, so the scan from the back stops at once; preempted sequences stay at the front."""
-        index = len(self.waiting)
-        while (index and self.waiting[index - 1].num_preemptions == 0
-               and self.waiting[index - 1].arrival_time > seq.arrival_time):
-            index -= 1
-        self.waiting.insert(index, seq)
+        bisect.insort(self.waiting, seq, key=_waiting_order)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -63,6 +74,7 @@ class Scheduler:
     def schedule(self) -> tuple[Batch, list[Sequence]]:
         """Plan the next step; also return sequences that can never fit and must be failed."""
         batch, budget, preempted, impossible = Batch(), self.config.max_num_batched_tokens, False, []
+        self._make_room_for_interactive(budget)
 
         for seq in list(self.running):
             if seq.status is not Status.RUNNING or budget == 0:
@@ -86,30 +98,59 @@ class Scheduler:
             budget -= want
 
         # A step that had to preempt admits nobody: the pool is already short.
-        i = 0
-        while (i < len(self.waiting) and not preempted and budget > 0
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[i]
+        if not preempted:
+            self._admit(batch, budget)
+        return batch, impossible
+
+    def _admit(self, batch: Batch, budget: int) -> None:
+        """Admit waiting sequences in order while slots, tokens and blocks last (a bulk one may go first, below)."""
+        order = list(self.waiting)
+        share = self.config.bulk_token_share * self.config.max_num_batched_tokens
+        bulk = next((s for s in order if s.service_class == "bulk"), None)
+        bulk_tokens = (sum(1 for s in batch.decodes if s.service_class == "bulk")
+                       + sum(n for s, n in batch.prefills if s.service_class == "bulk"))
+        capped = None
+        if bulk is not None and share and bulk_tokens < share:   # ahead of standard, after interactive
+            order.remove(bulk)
+            order.insert(next((i for i, s in enumerate(order) if s.rank > 0), len(order)), bulk)
+            capped = bulk
+        for seq in order:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             if seq.waits_for_leader and self.blocks.enable_prefix_caching:
-                i += 1   # a later choice: the first one's prompt blocks will be its cache hits
-                continue
+                continue   # a later choice: the first one's prompt blocks will be its cache hits
             if not seq.block_table:
                 # A request scoring its prompt computes every prompt row: no cache hits.
                 seq.num_computed_tokens = 0 if seq.wants_prompt_logprobs else self.blocks.allocate_cached_prefix(seq)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
             want = min(seq.num_uncomputed, budget)
+            if seq is capped:   # its floor, leaving the rest of the step to the classes above it
+                want = min(want, max(1, int(share - bulk_tokens)))
             if not self.blocks.ensure_capacity(seq, seq.num_computed_tokens + want):
                 self.blocks.release(seq)   # it waits; keep no blocks while waiting
                 seq.num_computed_tokens = 0
                 break
-            del self.waiting[i]
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             if seq.admitted_time is None:
                 seq.admitted_time = time.time()
-            bisect.insort(self.running, seq, key=lambda s: s.arrival_time)
+            bisect.insort(self.running, seq, key=_running_order)
             batch.prefills.append((seq, want))
             budget -= want
-        return batch, impossible
+
+    def _make_room_for_interactive(self, budget: int) -> None:
+        """When the first waiting request is interactive and every slot, or the blocks its first chunk needs, are
+        taken, preempt the newest running requests of lower classes (the least urgent first) until it fits."""
+        head = next((s for s in self.waiting
+                     if not (s.waits_for_leader and self.blocks.enable_prefix_caching)), None)
+        if head is None or head.rank != 0:
+            return
+        need = self.blocks.blocks_needed(min(head.num_tokens, budget))
+        while self.running and self.running[-1].rank > head.rank:
+            if len(self.running) < self.config.max_num_seqs and self.blocks.num_free >= need:
+                return
+            self._preempt(self.running[-1])
+            self.num_class_preemptions += 1
 
     def _preempt(self, seq: Sequence) -> None:
         """Drop a sequence's cache and requeue it first; it is recomputed later with the same tokens."""
@@ -119,4 +160,4 @@ class Scheduler:
         seq.status = Status.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.add(seq)

@@ -12,6 +12,9 @@ from .sampling_params import SamplingParams
 
 
 PENDING = -1   # the id in token_ids of a token sampled on the device and not yet read back
+# Service classes, most urgent first: a person waiting in the chat, the API's default, work that only needs
+# throughput. The scheduler admits by class, then arrival (scheduler.py).
+SERVICE_CLASSES = ("interactive", "standard", "bulk")
 
 
 class Status(Enum):
@@ -50,12 +53,18 @@ class Sequence:
     prefilled: bool = False                              # its whole prompt has been computed once
     logprobs: list[TokenLogprob] = field(default_factory=list)   # per completion token, when asked
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # per prompt token, when asked
+    service_class: str = "standard"                      # one of SERVICE_CLASSES
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
         if not self.group:
             self.group = [self]
+
+    @property
+    def rank(self) -> int:
+        """The class's place in SERVICE_CLASSES: lower is served first."""
+        return SERVICE_CLASSES.index(self.service_class)
 
     @property
     def num_tokens(self) -> int:

@@ -83,7 +83,7 @@ def main() -> int:
         redis_proc, env["REDIS_URL"] = start_redis(RUN_DIR / "redis")
     children = [
         Child("worker", [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
-                         "--queues", "generate", "--loglevel", "INFO",
+                         "--loglevel", "INFO",
                          "--hostname", "worker@%h"], env),
         Child("web", [sys.executable, "-m", "webapp"], env),
         Child("housekeeping", [sys.executable, "-m", "housekeeping"], env),

@@ -164,7 +164,7 @@ class Stack:
         logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
-                              "--queues", "generate", "--loglevel", "WARNING"],
+                              "--loglevel", "WARNING"],
                              cwd=ROOT, env=worker_env, stdout=logs[0], stderr=subprocess.STDOUT,
                              preexec_fn=placement.launcher(placement.engine)),
             subprocess.Popen([sys.executable, "-m", "webapp"], cwd=ROOT, env=env, stdout=logs[1],

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-QUEUE = "generate"                              # the one Celery queue of generation requests
+QUEUE = "generate"                              # the Celery queue of standard requests (the API's default)
+# One Celery queue per service class, most urgent first: workers take from them in this order (messaging/queue.py),
+# so an interactive request never waits in Redis behind a standard or bulk one.
+CLASS_QUEUES = {"interactive": "generate.interactive", "standard": QUEUE, "bulk": "generate.bulk"}
+QUEUES = tuple(CLASS_QUEUES.values())
+DEFAULT_CLASS = "standard"
 GENERATE_TASK = "supportbot.generate"
 CANCEL_CHANNEL = "supportbot:cancel"            # web -> worker: abort this request id
 HEARTBEAT_PREFIX = "supportbot:workers:"        # worker -> web: a key per live worker, short TTL
@@ -20,6 +25,11 @@ FINAL_TTL_S = 3600
 INLINE_FINAL_BYTES = 256 * 1024
 JOB_TTL_S = 86400                               # a queued request's copy outlives any wait in the queue
 STREAMED_TTL_S = 3600
+
+
+def queue_for(service_class: str | None) -> str:
+    """The queue of a request's class; a job without one (an older web process's) is standard."""
+    return CLASS_QUEUES[service_class or DEFAULT_CLASS]
 
 
 def cancelled_key(request_id: str) -> str:

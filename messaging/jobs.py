@@ -4,7 +4,8 @@
     request_id, conversation_id, room, channel, source, enqueued_at, api_key   who asked, where the answer goes
     messages      chat messages: {role, content}; the API's may also be {role: "tool", content, tool_call_id}
                   and {role: "assistant", content, tool_calls: [OpenAI tool calls]}
-    params        SamplingParams fields, as JSON (logit_bias keys are token ids as strings)
+    params        SamplingParams fields, as JSON (logit_bias keys are token ids as strings), and the request's
+                  `service_class` (interactive, standard or bulk; absent: standard), which picks its queue
     structure     structured.Structure.to_json(): the answer's grammar (a JSON schema, forced tool calls)
     tools         OpenAI tool definitions the prompt offers the model (rendered by the worker)
     prompt        /v1/completions: the prompt as text or token ids, used as it is (no chat template); then
@@ -15,7 +16,14 @@
 
 from __future__ import annotations
 
+from messaging.contract import DEFAULT_CLASS
+
 STRUCTURE, TOOLS, PROMPT, ECHO = "structure", "tools", "prompt", "echo"
+
+
+def service_class(job: dict) -> str:
+    """The job's service class: its queue, the engine's order and its latency objective."""
+    return (job.get("params") or {}).get("service_class") or DEFAULT_CLASS
 
 
 def replayable(job: dict) -> bool:

@@ -1,12 +1,15 @@
-"""The Celery app both tiers build: one durable Redis queue of generation requests, delivered at least once."""
+"""The Celery app both tiers build: a durable Redis queue of generation requests per service class, taken most
+urgent first, delivered at least once."""
 
 from __future__ import annotations
 
 import os
 
+import redis
 from celery import Celery
+from kombu import Queue
 
-from messaging.contract import QUEUE
+from messaging.contract import CLASS_QUEUES, QUEUE, QUEUES
 
 
 def visibility_timeout() -> int:
@@ -19,6 +22,8 @@ def make_celery(broker_url: str | None = None, **settings) -> Celery:
     app = Celery("supportbot", broker=broker_url or os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0"))
     app.conf.update(
         task_default_queue=QUEUE,
+        # Consumed in this order (queue_order_strategy below): interactive, standard, bulk.
+        task_queues=[Queue(name, routing_key=name) for name in QUEUES],
         task_ignore_result=True,          # answers travel over pub/sub and SQL, not the result backend
         task_acks_late=True,              # ack after the answer is stored: a dead worker's request comes back
         task_reject_on_worker_lost=True,
@@ -39,6 +44,10 @@ def make_celery(broker_url: str | None = None, **settings) -> Celery:
             # The sweep holds a lock in Redis for milliseconds; kombu's 300 s expiry would let a worker killed
             # (or a Redis stopped) while holding it block every sweep, and so every redelivery, for 5 minutes.
             "unacked_mutex_expire": 10,
+            # Every fetch asks the class queues in the order the worker consumes them (one BRPOP over all three,
+            # which Redis answers from the first non-empty list), instead of kombu's default round robin that
+            # would give a bulk request every third turn whatever waits in the interactive queue.
+            "queue_order_strategy": "priority",
             "socket_connect_timeout": 2,
             "socket_timeout": 10,
             "health_check_interval": 10,
@@ -48,3 +57,11 @@ def make_celery(broker_url: str | None = None, **settings) -> Celery:
     )
     app.conf.update(settings)
     return app
+
+
+def queue_depths(client: redis.Redis) -> dict[str, int]:
+    """Requests waiting in Redis, per service class."""
+    pipe = client.pipeline(transaction=False)
+    for name in CLASS_QUEUES.values():
+        pipe.llen(name)
+    return dict(zip(CLASS_QUEUES, pipe.execute()))

@@ -58,7 +58,7 @@ class Stack:
         env = {**self.env, **extra}
         proc, log = self.spawn("worker", [sys.executable, "-m", "celery", "-A", "worker.tasks", "worker",
                                           "--pool", "threads",
-                                          "--queues", "generate", "--loglevel", "INFO", "--hostname",
+                                          "--loglevel", "INFO", "--hostname",
                                           f"test{len(self.procs)}@%h", "--without-gossip", "--without-mingle"], env)
         r, started = redis.Redis.from_url(self.env["REDIS_URL"]), time.time()
 

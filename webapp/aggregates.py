@@ -22,7 +22,8 @@ from sqlalchemy.orm import Session
 from housekeeping import histogram, lease, rollup
 from housekeeping.sql import Spelling
 from models import FINISH_REASONS, ApiKey, DirtyMinute, RequestRecord, SlowRequest, UTCDateTime
-from messaging.contract import HEARTBEAT_PREFIX, QUEUE
+from messaging.contract import HEARTBEAT_PREFIX
+from messaging.queue import queue_depths
 
 
 @dataclass(frozen=True)
@@ -220,12 +221,12 @@ def live(r: redis.Redis, now: float | None = None) -> dict:
             workers.append({"name": key.decode()[len(HEARTBEAT_PREFIX):], "model": beat.get("model"),
                             "running": beat.get("running", 0), "waiting": beat.get("waiting", 0),
                             "kv_usage": beat.get("kv_usage"), "age_seconds": now - beat.get("time", now)})
-        queue_depth = r.llen(QUEUE)
+        depths = queue_depths(r)
     except redis.RedisError as exc:
-        return {"error": f"Redis unreachable: {exc}", "queue_depth": None, "running": None, "waiting": None,
-                "kv_cache_usage": None, "workers": []}
+        return {"error": f"Redis unreachable: {exc}", "queue_depth": None, "queue_depths": None, "running": None,
+                "waiting": None, "kv_cache_usage": None, "workers": []}
     usages = [w["kv_usage"] for w in workers if w["kv_usage"] is not None]
-    return {"error": None, "queue_depth": queue_depth, "running": sum(w["running"] for w in workers),
+    return {"error": None, "queue_depth": sum(depths.values()), "queue_depths": depths, "running": sum(w["running"] for w in workers),
             "waiting": sum(w["waiting"] for w in workers),
             "kv_cache_usage": sum(usages) / len(usages) if usages else None, "workers": workers}
 

@@ -42,7 +42,8 @@ SILENCE_LIMIT_S = 120
 
 def error_response(exc: UserError):
     kind = "rate_limit_error" if exc.status == 429 else "invalid_request_error" if exc.status < 500 else "api_error"
-    headers = {"Retry-After": str(exc.retry_after)} if isinstance(exc, limits.RateLimited) else {}
+    retry_after = getattr(exc, "retry_after", None)
+    headers = {"Retry-After": str(retry_after)} if retry_after else {}
     return {"error": {"message": exc.message, "type": kind, "param": getattr(exc, "param", None), "code": exc.code}}, \
         exc.status, headers
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from werkzeug.security import generate_password_hash
 
-from messaging import chat_tools
+from messaging import chat_tools, classes
 
 log = logging.getLogger(__name__)
 
@@ -156,7 +156,16 @@ def load() -> dict:
         "TEMPERATURE": float(os.environ.get("TEMPERATURE", "0.7")),
         "TOP_P": float(os.environ.get("TOP_P", "0.9")),
         **chat_tools_settings(),
+        **class_settings(),
     }
+
+
+def class_settings() -> dict:
+    """Per service class: the time-to-first-token objective and the share of QUEUE_LIMIT it may fill."""
+    try:
+        return {"TTFT_OBJECTIVES": classes.ttft_objectives(), "QUEUE_SHARES": classes.queue_shares()}
+    except ValueError as exc:
+        raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
 
 
 def chat_tools_settings() -> dict:

@@ -11,7 +11,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from messaging.contract import HEARTBEAT_PREFIX, METRICS_PREFIX, QUEUE
+from messaging.contract import HEARTBEAT_PREFIX, METRICS_PREFIX
+from messaging.queue import queue_depths
 
 from .auth import bearer_ok, logged_in
 
@@ -69,8 +70,11 @@ class ClusterCollector:
     def collect(self) -> Iterator[Metric]:
         r = self.redis
         yield from merge_snapshots(read_snapshots(r))
-        yield GaugeMetricFamily("supportbot_queue_depth", "Requests in the broker queue, not yet taken by a worker.",
-                                value=r.llen(QUEUE))
+        depth = GaugeMetricFamily("supportbot_queue_depth", "Requests in the broker's queues, not yet taken by a "
+                                  "worker, by service class.", labels=["class"])
+        for service_class, waiting in queue_depths(r).items():
+            depth.add_metric([service_class], waiting)
+        yield depth
         yield GaugeMetricFamily("supportbot_workers_live", "Workers whose heartbeat is current.",
                                 value=sum(1 for _ in r.scan_iter(HEARTBEAT_PREFIX + "*")))
         for name, documentation, key in OUTCOME_COUNTERS:

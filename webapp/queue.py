@@ -16,8 +16,11 @@ import redis
 from flask import current_app
 from sqlalchemy.exc import SQLAlchemyError
 
-from messaging.contract import (CANCEL_CHANNEL, GENERATE_TASK, JOB_TTL_S, QUEUE, cancelled_key, events_channel,
-                                final_key, job_key)
+from messaging.contract import (CANCEL_CHANNEL, DEFAULT_CLASS, GENERATE_TASK, JOB_TTL_S, cancelled_key, events_channel, final_key,
+                                job_key, queue_for)
+from messaging.classes import RETRY_AFTER_S
+from messaging.jobs import service_class
+from messaging.queue import queue_depths
 from models import RequestRecord
 
 from . import capacity
@@ -29,10 +32,11 @@ class UserError(Exception):
     """A request we refuse; the message tells the user what to do."""
 
     def __init__(self, code: str, message: str, retryable: bool = False, status: int = 400,
-                 param: str | None = None) -> None:
+                 param: str | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.code, self.message, self.retryable, self.status = code, message, retryable, status
         self.param = param   # the request parameter at fault, for OpenAI's error shape
+        self.retry_after = retry_after   # seconds before trying again (HTTP's Retry-After)
 
 
 # While silent this long, an API listener looks for a final event it may have missed.
@@ -54,15 +58,22 @@ def unavailable() -> UserError:
                                           "again in a few seconds.", retryable=True, status=503)
 
 
-def check_room() -> None:
+def check_room(service_class: str = DEFAULT_CLASS) -> None:
+    """Refuse a request of this class once everything queued fills its share of the queue limit: bulk first, then
+    standard, so the last part of the queue is kept for interactive requests."""
     try:
-        depth = current_app.extensions["redis"].llen(QUEUE)
+        depth = sum(queue_depths(current_app.extensions["redis"]).values())
     except redis.RedisError as exc:
         log.warning("Redis unavailable: %s", exc)
         raise unavailable() from exc
-    if depth >= capacity.queue_limit():
-        raise UserError("queue_full", "The assistant is busy right now; please try again in a moment.",
-                        retryable=True, status=429)
+    if depth >= capacity.queue_limit() * current_app.config["QUEUE_SHARES"][service_class]:
+        wait = RETRY_AFTER_S[service_class]
+        if service_class == "interactive":
+            message = "The assistant is busy right now; please try again in a moment."
+        else:
+            message = (f"The queue is full for {service_class} requests ({depth} waiting); retry after {wait} "
+                       "seconds, or send fewer requests at once.")
+        raise UserError("queue_full", message, retryable=True, status=429, retry_after=wait)
 
 
 def new_job(messages: list[dict], params: dict, source: str, conversation_id: str | None = None,
@@ -93,7 +104,8 @@ def send(job: dict) -> None:
     """
     try:
         current_app.extensions["redis"].set(job_key(job["request_id"]), json.dumps(job), ex=JOB_TTL_S)
-        current_app.extensions["celery"].send_task(GENERATE_TASK, args=[job], task_id=job["request_id"])
+        current_app.extensions["celery"].send_task(GENERATE_TASK, args=[job], task_id=job["request_id"],
+                                                   queue=queue_for(service_class(job)))
     except Exception as exc:
         log.warning("could not queue %s: %s", job["request_id"], exc)
         mark_unqueued(job["request_id"], exc)

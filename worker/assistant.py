@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from messaging.jobs import service_class
 from messaging.chat_tools import CALL_ROLE, LOOKUP_ORDER, RESULT_ROLE, stored_call
 from structured import Structure, StreamParser, Tool, ToolCall, ToolError
 from structured.tools import Delta, forced
@@ -71,7 +72,7 @@ def run(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
     rid = job["request_id"]
     try:
         tools = [Tool.from_openai(spec, f"tools[{i}]") for i, spec in enumerate(job["tools"])]
-        base = SamplingParams(**job.get("params", {}))
+        base = SamplingParams(**{k: v for k, v in job.get("params", {}).items() if k != "service_class"})
         base.validate()
         first = first_structure(tools, job.get("tool_choice") or "auto")
     except (ToolError, InvalidParamsError, TypeError) as exc:
@@ -115,7 +116,8 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
         _, ids = fit_to_context(rt.engine, messages, reserve, tools=specs)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
-        stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"))
+        stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"),
+                                  service_class=service_class(job))
         parser, seen = StreamParser(f"{rid}:{n}"), False
         last: RequestFinished | None = None
         for event in stream:

@@ -14,7 +14,8 @@ from sqlalchemy import select, update
 from sqlalchemy.exc import SQLAlchemyError
 
 from models import RequestRecord
-from messaging.contract import GENERATE_TASK, QUEUE, events_channel, job_key
+from messaging.contract import GENERATE_TASK, QUEUES, events_channel, job_key, queue_for
+from messaging.jobs import service_class
 from worker.celery_app import celery
 from worker.leases import LeasedChannel
 
@@ -96,10 +97,13 @@ class Reaper:
             return {rid: (conversation, source) for rid, conversation, source in rows}
 
     def in_redis(self) -> set[str]:
-        """Every request waiting in the queue or held by a worker."""
+        """Every request waiting in a class's queue or held by a worker."""
         r = self.rt.redis
-        return (message_ids(r.lrange(QUEUE, 0, -1), wrapped=False)
-                | message_ids(r.hvals(LeasedChannel.unacked_key), wrapped=True))
+        pipe = r.pipeline(transaction=False)
+        for name in QUEUES:
+            pipe.lrange(name, 0, -1)
+        waiting = set().union(*(message_ids(raw, wrapped=False) for raw in pipe.execute()))
+        return waiting | message_ids(r.hvals(LeasedChannel.unacked_key), wrapped=True)
 
     def recover(self, request_id: str, conversation_id: str | None, source: str) -> None:
         if not self.resend(request_id):
@@ -114,7 +118,8 @@ class Reaper:
         self.rt.redis.expire(job_key(request_id) + ":resends", int(OLDEST.total_seconds()))
         if resends > MAX_RESENDS:
             return False
-        celery.send_task(GENERATE_TASK, args=[json.loads(raw)], task_id=request_id)
+        job = json.loads(raw)
+        celery.send_task(GENERATE_TASK, args=[job], task_id=request_id, queue=queue_for(service_class(job)))
         log.warning("request %s was lost on its way to a worker; queued it again (%d/%d)",
                     request_id, resends, MAX_RESENDS)
         return True

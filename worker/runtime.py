@@ -134,7 +134,7 @@ class WorkerRuntime:
         publish_event(self.redis, job, event, payload)
 
     def start_answer(self, job: dict, prompt_ids: list[int], params: SamplingParams, shown: int,
-                     echo: str | None = None) -> Answer | None:
+                     echo: str | None = None, service_class: str = "standard") -> Answer | None:
         """Submit a request to the engine; its text streams out from the publisher's thread, past the first
         `shown` characters (what clients were sent by an earlier delivery). `echo`: the prompt's text, for a
         client that asked for it before the answer. Bad requests raise here; None when this worker is answering
@@ -148,7 +148,8 @@ class WorkerRuntime:
         try:
             # Queued by acceptance time: the task threads hand requests over in no particular order.
             self.engine.submit(job["request_id"], prompt_token_ids=prompt_ids, params=params,
-                               arrival_time=job.get("enqueued_at"), outbox=self.publisher.outbox)
+                               arrival_time=job.get("enqueued_at"), outbox=self.publisher.outbox,
+                               service_class=service_class)
         except BaseException:
             self.publisher.forget(job["request_id"])
             raise

@@ -12,7 +12,7 @@ from celery.signals import (task_postrun, task_received, worker_init, worker_rea
 
 from messaging.contract import GENERATE_TASK
 from worker import assistant
-from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable
+from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable, service_class
 from structured import Structure, StructureError
 from worker.celery_app import celery
 from worker.engine import InvalidParamsError, InvalidRequestError, SamplingParams
@@ -112,7 +112,7 @@ def submit(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
             reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
             _, prompt_ids = fit_to_context(rt.engine, job["messages"], reserve=reserve, tools=job.get(TOOLS))
         echo = prompt_text(rt, job, prompt_ids) if job.get(ECHO) else None
-        return rt.start_answer(job, prompt_ids, params, shown, echo)
+        return rt.start_answer(job, prompt_ids, params, shown, echo, service_class=service_class(job))
     except (InvalidRequestError, InvalidParamsError, StructureError) as exc:
         if "already in use" in str(exc):   # the same request is being answered in this process
             return None
@@ -121,7 +121,7 @@ def submit(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
 
 
 def sampling_params(job: dict) -> SamplingParams:
-    params = SamplingParams(**job.get("params", {}))
+    params = SamplingParams(**{k: v for k, v in job.get("params", {}).items() if k != "service_class"})
     if job.get(STRUCTURE) is not None:
         params.structure = Structure.from_json(job[STRUCTURE])
     params.validate()

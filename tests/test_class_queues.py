@@ -1,0 +1,116 @@
+"""Service classes in the queue: one Redis queue per class, taken most urgent first; redelivery keeps the class and
+nothing queued is lost."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+
+import redis
+import requests
+
+from messaging.contract import CLASS_QUEUES, QUEUES, queue_for
+from messaging.queue import queue_depths
+from models import RequestRecord
+from tests.clients import ChatClient
+from tests.stack import wait_for
+from worker.engine.sequence import SERVICE_CLASSES
+from worker.leases import LeasedChannel
+
+CHATS = ["Where is my parcel?", "Can I return a jacket?"]
+
+
+def test_the_queues_are_the_engines_classes_most_urgent_first():
+    assert tuple(CLASS_QUEUES) == SERVICE_CLASSES
+    assert QUEUES == ("generate.interactive", "generate", "generate.bulk")
+    assert queue_for(None) == queue_for("standard") == "generate"   # jobs from older web processes
+
+
+def ask_api(url: str, i: int, results: dict, headers: dict | None = None) -> None:
+    body = {"model": "default", "messages": [{"role": "user", "content": f"Question {i}: what do you sell?"}],
+            "temperature": 0, "max_tokens": 64}
+    response = requests.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=300)
+    results[i] = (response.status_code, response.json())
+
+
+def queue_behind_a_stopped_worker(stack, url: str, n_api: int, headers: dict | None = None):
+    """With the worker stopped: `n_api` API requests queued first, then the chat messages; returns the clients,
+    the API threads and their results once everything is in Redis."""
+    stack.kill_worker()
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    results: dict = {}
+    threads = [threading.Thread(target=ask_api, args=(url, i, results, headers)) for i in range(n_api)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: sum(queue_depths(r).values()) >= n_api, 30, "API requests queued")
+    clients = [ChatClient(url) for _ in CHATS]
+    for client, text in zip(clients, CHATS):
+        client.sio.emit("chat_message", {"text": text})
+    wait_for(lambda: queue_depths(r)["interactive"] == len(CHATS), 30, "chat messages queued")
+    return clients, threads, results
+
+
+def finish(clients, threads, results, n_api: int) -> list[str]:
+    """Every chat answer and API answer arrives; the chats' request ids."""
+    ids = []
+    for client in clients:
+        events = [client.next(120)]
+        while events[-1][0] not in ("done", "error"):
+            events.append(client.next(120))
+        assert events[-1][0] == "done", events[-1]
+        ids.append(events[0][1]["request_id"])
+        client.close()
+    for t in threads:
+        t.join(300)
+    assert sorted(results) == list(range(n_api))
+    assert all(status == 200 for status, _ in results.values()), results
+    return ids
+
+
+def test_a_worker_takes_interactive_requests_before_the_ones_queued_ahead_of_them(stack, db):
+    """One engine slot (two task threads): the worker takes both chat messages first, although ten API requests
+    were queued before them, so both are answered before any API request starts."""
+    url = stack.web_urls[0]
+    clients, threads, results = queue_behind_a_stopped_worker(stack, url, 10)
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    assert queue_depths(r) == {"interactive": 2, "standard": 10, "bulk": 0}
+    try:
+        stack.start_worker(MAX_NUM_SEQS="1")
+        chat_ids = finish(clients, threads, results, 10)
+    finally:
+        stack.kill_worker()
+        stack.start_worker()   # the session's worker for the tests that follow
+    api_ids = [body["id"].removeprefix("chatcmpl-") for _, body in results.values()]
+    with db() as s:
+        chats = [s.get(RequestRecord, rid) for rid in chat_ids]
+        apis = [s.get(RequestRecord, rid) for rid in api_ids]
+    assert all(rec.finished_at is not None for rec in chats + apis)
+    assert max(c.admitted_at for c in chats) < min(a.admitted_at for a in apis)
+    assert sum(queue_depths(r).values()) == 0
+
+
+def test_a_dead_workers_requests_come_back_to_their_own_class_queue(stack, db):
+    url = stack.web_urls[0]
+    clients, threads, results = queue_behind_a_stopped_worker(stack, url, 6)
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    try:
+        stack.start_worker(MAX_NUM_SEQS="1")
+        wait_for(lambda: r.hlen(LeasedChannel.unacked_key) == 2, 60, "the worker holding two requests")
+        stack.kill_worker()
+        held = [json.loads(raw)[0] for raw in r.hvals(LeasedChannel.unacked_key)]
+        # kombu puts a message back where its routing key says: the queue of the request's class.
+        routes = {m["headers"]["id"]: m["properties"]["delivery_info"]["routing_key"] for m in held}
+        jobs = {m["headers"]["id"]: json.loads(base64.b64decode(m["body"]))[0][0] for m in held}
+        for rid, route in routes.items():
+            assert route == queue_for(jobs[rid]["params"].get("service_class")), (rid, route)
+        assert "generate.interactive" in routes.values()
+        stack.start_worker()   # restores the dead worker's messages once their leases lapse
+        chat_ids = finish(clients, threads, results, 6)
+    finally:
+        if stack.worker.poll() is not None:
+            stack.start_worker()
+    with db() as s:
+        for rid in chat_ids:
+            assert s.get(RequestRecord, rid).finished_at is not None
+    assert sum(queue_depths(r).values()) == 0

@@ -211,7 +211,8 @@ def test_worker_threads_match_its_slots_and_caches_live_in_volumes(compose_confi
         env = service_environment(worker)
         # The worker sizes its thread pool from MAX_NUM_SEQS itself; a --concurrency flag would override it.
         assert "--concurrency" not in command_line(worker) and "MAX_NUM_SEQS" in env
-        assert "--pool threads" in command_line(worker) and "--queues generate" in command_line(worker)
+        # No --queues: the worker consumes every class's queue, most urgent first (messaging/queue.py).
+        assert "--pool threads" in command_line(worker) and "--queues" not in command_line(worker)
         mounts = volume_mounts(worker)
         assert mounts.get(env["MODEL_CACHE_DIR"]) == "model-cache"
         assert mounts.get(env["HF_HOME"]) == "hf-cache"

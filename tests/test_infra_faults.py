@@ -405,7 +405,8 @@ def test_a_request_lost_on_its_way_to_a_worker_is_queued_again(infra, infra_db):
         customer.ask(QUESTIONS[4])
         # Stored, confirmed and copied, but its message gone: as when a worker is killed between taking it
         # from the queue and recording it as unacknowledged.
-        job = new_job([{"role": "user", "content": "Are you still there?"}], {"temperature": 0, "max_new_tokens": 20},
+        job = new_job([{"role": "user", "content": "Are you still there?"}],
+                      {"temperature": 0, "max_new_tokens": 20, "service_class": "interactive"},
                       source="chat", conversation_id=customer.conversation_id)
         with infra_db() as s:
             s.add(Message(conversation_id=customer.conversation_id, role="user", content="Are you still there?"))

@@ -6,7 +6,7 @@ import hashlib
 import secrets
 from datetime import datetime
 
-from sqlalchemy import String
+from sqlalchemy import String, false
 from sqlalchemy.orm import Mapped, mapped_column
 
 from models.base import Base, utcnow
@@ -47,6 +47,10 @@ class ApiKey(Base):
     revoked_at: Mapped[datetime | None]
     # A rule like RATE_LIMIT_PER_SESSION's ("60/minute"); None: only the address limits apply.
     rate_limit: Mapped[str | None] = mapped_column(String(64))
+    # The class of its requests that do not name a service_tier (interactive, standard or bulk), and whether it may
+    # ask for service_tier "priority" (served as interactive).
+    service_class: Mapped[str] = mapped_column(String(16), default="standard", server_default="standard")
+    priority_allowed: Mapped[bool] = mapped_column(default=False, server_default=false())
 
     @property
     def revoked(self) -> bool:

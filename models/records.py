@@ -46,6 +46,8 @@ class RequestRecord(Base):
     error: Mapped[str | None] = mapped_column(Text)
     # The name of the API key a request came with (models/api_keys.py), never the key; kept when the key goes.
     api_key: Mapped[str | None] = mapped_column(String(64))
+    # interactive, standard or bulk (messaging/classes.py); None on records written before classes existed.
+    service_class: Mapped[str | None] = mapped_column(String(16))
 
     @property
     def queue_wait(self) -> float | None:

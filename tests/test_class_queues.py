@@ -27,20 +27,21 @@ def test_the_queues_are_the_engines_classes_most_urgent_first():
     assert queue_for(None) == queue_for("standard") == "generate"   # jobs from older web processes
 
 
-def ask_api(url: str, i: int, results: dict, headers: dict | None = None) -> None:
+def ask_api(url: str, i: int, results: dict, tier: str | None) -> None:
     body = {"model": "default", "messages": [{"role": "user", "content": f"Question {i}: what do you sell?"}],
-            "temperature": 0, "max_tokens": 64}
-    response = requests.post(url + "/v1/chat/completions", json=body, headers=headers or {}, timeout=300)
+            "temperature": 0, "max_tokens": 64, **({"service_tier": tier} if tier else {})}
+    response = requests.post(url + "/v1/chat/completions", json=body, timeout=300)
     results[i] = (response.status_code, response.json())
 
 
-def queue_behind_a_stopped_worker(stack, url: str, n_api: int, headers: dict | None = None):
-    """With the worker stopped: `n_api` API requests queued first, then the chat messages; returns the clients,
-    the API threads and their results once everything is in Redis."""
+def queue_behind_a_stopped_worker(stack, url: str, tiers: list[str | None]):
+    """With the worker stopped: API requests of these service tiers queued first, then the chat messages; returns
+    the clients, the API threads and their results once everything is in Redis."""
+    n_api = len(tiers)
     stack.kill_worker()
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     results: dict = {}
-    threads = [threading.Thread(target=ask_api, args=(url, i, results, headers)) for i in range(n_api)]
+    threads = [threading.Thread(target=ask_api, args=(url, i, results, tier)) for i, tier in enumerate(tiers)]
     for t in threads:
         t.start()
     wait_for(lambda: sum(queue_depths(r).values()) >= n_api, 30, "API requests queued")
@@ -70,11 +71,11 @@ def finish(clients, threads, results, n_api: int) -> list[str]:
 
 def test_a_worker_takes_interactive_requests_before_the_ones_queued_ahead_of_them(stack, db):
     """One engine slot (two task threads): the worker takes both chat messages first, although ten API requests
-    were queued before them, so both are answered before any API request starts."""
+    (bulk and standard) were queued before them, so both are answered before any API request starts."""
     url = stack.web_urls[0]
-    clients, threads, results = queue_behind_a_stopped_worker(stack, url, 10)
+    clients, threads, results = queue_behind_a_stopped_worker(stack, url, ["flex"] * 6 + [None] * 4)
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
-    assert queue_depths(r) == {"interactive": 2, "standard": 10, "bulk": 0}
+    assert queue_depths(r) == {"interactive": 2, "standard": 4, "bulk": 6}
     try:
         stack.start_worker(MAX_NUM_SEQS="1")
         chat_ids = finish(clients, threads, results, 10)
@@ -92,7 +93,7 @@ def test_a_worker_takes_interactive_requests_before_the_ones_queued_ahead_of_the
 
 def test_a_dead_workers_requests_come_back_to_their_own_class_queue(stack, db):
     url = stack.web_urls[0]
-    clients, threads, results = queue_behind_a_stopped_worker(stack, url, 6)
+    clients, threads, results = queue_behind_a_stopped_worker(stack, url, ["flex", None] * 3)
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     try:
         stack.start_worker(MAX_NUM_SEQS="1")

@@ -24,8 +24,8 @@ MAX_MESSAGES = 500
 MAX_MODEL_CHARS = 256
 MAX_PROMPT_TOKENS = 32_768
 LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
-# Both endpoints: sampling, choices, streaming, and bookkeeping that changes nothing about the answer (accepted and
-# ignored: user, metadata, store, service_tier).
+# Both endpoints: sampling, choices, streaming, the service tier (webapp/keyring.py), and bookkeeping that changes
+# nothing about the answer (accepted and ignored: user, metadata, store).
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop", "stream", "stream_options", "n", "logprobs",
@@ -325,8 +325,10 @@ def take_request(read) -> Taken | tuple:
         if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
             raise api_params.invalid("model", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
         request = read(body, model or served_models()[0], options.get("include_usage", False))
-        queue.check_room()
-        job = queue.new_job(request.messages, request.params, source="api", channel=True,
+        service_class = keyring.service_class(body.get("service_tier"))
+        queue.check_room(service_class)
+        job = queue.new_job(request.messages, {**request.params, "service_class": service_class}, source="api",
+                            channel=True,
                             api_key=keyring.current_name(), extra=request.extra)
         with current_app.extensions["db"]() as db:
             db.add(queue.record_for(job))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from flask import Blueprint, current_app, flash, redirect, render_template, request, url_for
 
+from messaging.classes import CLASSES
+
 from . import aggregates, keys
 from .auth import check_csrf, operator_required
 
@@ -44,7 +46,7 @@ def keys_page(status: int = 200, created: tuple | None = None, error: str | None
         status_line = keys.api_status(db, request.host_url.rstrip("/") + "/v1",
                                       current_app.config.get("SUPPORTBOT_ENV") == "production")
     html = render_template("keys.html", keys=rows, created=created, error=error, form=form or {}, when=keys.when,
-                           status_line=status_line, api_base=request.host_url.rstrip("/") + "/v1",
+                           status_line=status_line, api_base=request.host_url.rstrip("/") + "/v1", classes=CLASSES,
                            operator=current_app.config["OPERATOR_USERNAME"])
     return html, status, {"Cache-Control": "no-store"}
 
@@ -59,10 +61,13 @@ def api_keys():
 @operator_required(page=True)
 def create_key():
     check_csrf()
-    form = {"name": request.form.get("name", ""), "rate_limit": request.form.get("rate_limit", "")}
+    form = {"name": request.form.get("name", ""), "rate_limit": request.form.get("rate_limit", ""),
+            "service_class": request.form.get("service_class", "standard"),
+            "priority": request.form.get("priority") == "on"}
     try:
         with current_app.extensions["db"]() as db:
-            key, secret = keys.create(db, form["name"], form["rate_limit"] or None)
+            key, secret = keys.create(db, form["name"], form["rate_limit"] or None, form["service_class"],
+                                      form["priority"])
             created = (key.name, secret)
     except keys.KeyCommandError as exc:
         return keys_page(400, error=str(exc), form=form)
@@ -80,4 +85,18 @@ def revoke_key(name: str):
         return keys_page(404, error=str(exc))
     flash(f"Revoked the key {key.name!r} ({key.prefix}): every web process refuses it within a few seconds."
           if now else f"The key {key.name!r} was revoked already.")
+    return redirect(url_for("dashboard.api_keys"), 303)
+
+
+@bp.post("/keys/<name>/class")
+@operator_required(page=True)
+def set_key_class(name: str):
+    check_csrf()
+    try:
+        with current_app.extensions["db"]() as db:
+            key = keys.set_class(db, name, request.form.get("service_class"), request.form.get("priority") == "on")
+            flash(f"The key {key.name!r} is now {keys.describe_class(key)}; every web process applies it within a few "
+                  "seconds.")
+    except keys.KeyCommandError as exc:
+        return keys_page(400 if "service class" in str(exc) else 404, error=str(exc))
     return redirect(url_for("dashboard.api_keys"), 303)

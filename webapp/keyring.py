@@ -22,6 +22,7 @@ from models import ApiKey
 from models.api_keys import hash_key
 
 from . import limits
+from .queue import UserError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +40,8 @@ class KeyInfo:
     prefix: str
     revoked: bool
     rule: limits.Rule | None
+    service_class: str = "standard"      # its requests' class when they name no service_tier
+    priority_allowed: bool = False       # whether it may ask for service_tier "priority"
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,8 @@ class KeyRing:
     def _load(self) -> Snapshot:
         with self.sessions() as db:
             rows = db.scalars(select(ApiKey)).all()
-        keys = {row.key_hash: KeyInfo(row.id, row.name, row.prefix, row.revoked, _rule(row)) for row in rows}
+        keys = {row.key_hash: KeyInfo(row.id, row.name, row.prefix, row.revoked, _rule(row), row.service_class,
+                                      row.priority_allowed) for row in rows}
         return Snapshot(keys, len(rows), time.monotonic())
 
     def snapshot(self) -> Snapshot:
@@ -176,3 +180,25 @@ def rate_limit() -> tuple[str, limits.Rule] | None:
 def init_app(app: Flask) -> None:
     app.extensions["keyring"] = KeyRing(app.extensions["db"])
     app.before_request(check_request)
+
+
+# OpenAI's service_tier values and the class each asks for; None: the key's own class.
+SERVICE_TIERS = {"auto": None, "default": None, "flex": "bulk", "priority": "interactive"}
+
+
+def service_class(tier: object = None) -> str:
+    """The class of this /v1 request: its `service_tier` ("priority": interactive, for keys allowed it; "flex":
+    bulk; "auto", "default" or none: the key's own class, standard without keys). UserError (400) otherwise."""
+    key = g.get("api_key")
+    if tier is not None and (not isinstance(tier, str) or tier not in SERVICE_TIERS):
+        shown = repr(tier) if len(repr(tier)) <= 40 else repr(tier)[:37] + "..."
+        raise UserError("invalid_value", f"'service_tier' must be one of {', '.join(map(repr, SERVICE_TIERS))}; got "
+                                         f"{shown}.", param="service_tier")
+    asked = SERVICE_TIERS.get(tier) if tier is not None else None
+    if asked is None:
+        return key.service_class if key is not None else "standard"
+    if asked == "interactive" and key is not None and not key.priority_allowed:
+        raise UserError("invalid_value", f"The API key {key.prefix} may not ask for service_tier 'priority'; send "
+                                         "'auto', 'default' or 'flex', or ask an operator to allow it priority "
+                                         "(python -m webapp.keys set NAME --priority).", param="service_tier")
+    return asked

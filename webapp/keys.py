@@ -1,5 +1,6 @@
-"""API keys for operators: create, list, revoke, delete and ensure them, from the dashboard (webapp/dashboard.py)
-or the command line: `python -m webapp.keys create NAME [--rate-limit 60/minute]`, `list`, `revoke NAME`,
+"""API keys for operators: create, list, revoke, delete and ensure them, and set their service class, from the
+dashboard (webapp/dashboard.py) or the command line: `python -m webapp.keys create NAME [--rate-limit 60/minute]
+[--class bulk] [--priority]`, `list`, `set NAME [--class C] [--priority | --no-priority]`, `revoke NAME`,
 `delete NAME`, `ensure NAME --from-env VAR`. The database is DATABASE_URL's (default: instance/supportbot.db)."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
+from messaging.classes import CLASSES
 from models import ApiKey
 from models.api_keys import NAME_CHARS, display_prefix, hash_key, new_key
 
@@ -49,6 +51,15 @@ def check_rule(text: str | None) -> str | None:
     return text.strip() if rule is not None else None
 
 
+def check_class(name: str | None) -> str:
+    """A key's default class as stored, or KeyCommandError naming the classes."""
+    value = (name or "standard").strip().lower()
+    if value not in CLASSES:
+        raise KeyCommandError(f"{str(name)[:40]!r} is not a service class; choose one of {', '.join(CLASSES)} "
+                              "(interactive: served first, like the chat; bulk: throughput work that may wait).")
+    return value
+
+
 def find(db: Session, name: str) -> ApiKey:
     key = db.scalar(select(ApiKey).where(ApiKey.name == name))
     if key is None:
@@ -56,14 +67,16 @@ def find(db: Session, name: str) -> ApiKey:
     return key
 
 
-def _add(db: Session, name: str, secret: str, rate_limit: str | None) -> ApiKey:
-    name, rule = check_name(name), check_rule(rate_limit)
+def _add(db: Session, name: str, secret: str, rate_limit: str | None, service_class: str | None = None,
+         priority: bool = False) -> ApiKey:
+    name, rule, cls = check_name(name), check_rule(rate_limit), check_class(service_class)
     existing = db.scalar(select(ApiKey).where(ApiKey.name == name))
     if existing is not None:
         raise KeyCommandError(f"An API key named {name!r} exists already (created {when(existing.created_at)}"
                               f"{', revoked' if existing.revoked else ''}). Choose another name, or delete that key "
                               f"first with `{CLI} delete {name}` (its clients then get 401).")
-    key = ApiKey(name=name, key_hash=hash_key(secret), prefix=display_prefix(secret), rate_limit=rule)
+    key = ApiKey(name=name, key_hash=hash_key(secret), prefix=display_prefix(secret), rate_limit=rule,
+                 service_class=cls, priority_allowed=priority)
     db.add(key)
     try:
         db.commit()
@@ -77,13 +90,32 @@ def _add(db: Session, name: str, secret: str, rate_limit: str | None) -> ApiKey:
     return key
 
 
-def create(db: Session, name: str, rate_limit: str | None = None) -> tuple[ApiKey, str]:
-    """A new key: (its row, the key). The key is shown to the operator once and never stored."""
+def create(db: Session, name: str, rate_limit: str | None = None, service_class: str | None = None,
+           priority: bool = False) -> tuple[ApiKey, str]:
+    """A new key: (its row, the key). The key is shown to the operator once and never stored. `service_class`: its
+    requests' class when they name no service_tier; `priority`: whether it may ask for service_tier "priority"."""
     secret = new_key()
-    return _add(db, name, secret, rate_limit), secret
+    return _add(db, name, secret, rate_limit, service_class, priority), secret
 
 
-def ensure(db: Session, name: str, secret: str, rate_limit: str | None = None) -> tuple[ApiKey, bool]:
+def set_class(db: Session, name: str, service_class: str | None = None, priority: bool | None = None) -> ApiKey:
+    """Change a key's default class and/or its right to ask for priority; every web process applies it within a
+    few seconds (webapp/keyring.py)."""
+    key = find(db, check_name(name))
+    if service_class is not None:
+        key.service_class = check_class(service_class)
+    if priority is not None:
+        key.priority_allowed = priority
+    db.commit()
+    return key
+
+
+def describe_class(key: ApiKey) -> str:
+    return f"class {key.service_class}, {'may' if key.priority_allowed else 'may not'} ask for priority"
+
+
+def ensure(db: Session, name: str, secret: str, rate_limit: str | None = None, service_class: str | None = None,
+           priority: bool = False) -> tuple[ApiKey, bool]:
     """The key named `name` holding `secret`: created if no key has that name; (row, created). A key of that name
     that holds another value, or that was revoked, is an error: the secret in hand would be refused."""
     name = check_name(name)
@@ -92,7 +124,7 @@ def ensure(db: Session, name: str, secret: str, rate_limit: str | None = None) -
                               f"(it has {len(secret)}); make one with: {MAKE_KEY}")
     existing = db.scalar(select(ApiKey).where(ApiKey.name == name))
     if existing is None:
-        return _add(db, name, secret, rate_limit), True
+        return _add(db, name, secret, rate_limit, service_class, priority), True
     if existing.key_hash != hash_key(secret):
         raise KeyCommandError(f"The API key {name!r} ({existing.prefix}, created {when(existing.created_at)}) holds "
                               f"another value. Set the variable back to that key, or replace the key: `{CLI} delete "
@@ -160,24 +192,30 @@ def usage(key: str, base: str) -> str:
 
 
 def _table(keys: list[ApiKey]) -> str:
-    rows = [("NAME", "KEY", "CREATED", "LAST USED", "REVOKED", "RATE LIMIT")]
+    rows = [("NAME", "KEY", "CREATED", "LAST USED", "REVOKED", "RATE LIMIT", "CLASS", "PRIORITY")]
     rows += [(k.name, k.prefix, when(k.created_at), when(k.last_used_at), when(k.revoked_at, "-"),
-              k.rate_limit or "-") for k in keys]
+              k.rate_limit or "-", k.service_class, "allowed" if k.priority_allowed else "-") for k in keys]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def run(args: argparse.Namespace, db: Session) -> str:
     if args.command == "create":
-        key, secret = create(db, args.name, args.rate_limit)
+        key, secret = create(db, args.name, args.rate_limit, args.service_class, args.priority)
         limit = f"rate limit {key.rate_limit}" if key.rate_limit else "no rate limit of its own"
-        return (f"Created the API key {key.name!r} ({limit}):\n\n    {secret}\n\nIt is shown this once and stored "
+        return (f"Created the API key {key.name!r} ({limit}, {describe_class(key)}):\n\n    {secret}\n\nIt is shown this once and stored "
                 f"only as a hash: keep it now. {usage(secret, api_base())}\nRevoke it with: {CLI} revoke {key.name}")
     if args.command == "list":
         keys = all_keys(db)
         if not keys:
             return f"No API keys: /v1 is open to anyone who can reach it (closed in production). {CLI} create NAME"
         return _table(keys)
+    if args.command == "set":
+        if args.service_class is None and args.priority is None:
+            raise KeyCommandError("Say what to change: --class interactive|standard|bulk, --priority or "
+                                  "--no-priority.")
+        key = set_class(db, args.name, args.service_class, args.priority)
+        return f"The API key {key.name!r} is now {describe_class(key)}; every web process applies it within seconds."
     if args.command == "revoke":
         key, now = revoke(db, args.name)
         if not now:
@@ -192,7 +230,7 @@ def run(args: argparse.Namespace, db: Session) -> str:
         if not secret:
             raise KeyCommandError(f"{args.from_env} is not set or empty: set it to the API key clients will use "
                                   f"(e.g. in .env), made with: {MAKE_KEY}")
-        key, created = ensure(db, args.name, secret, args.rate_limit)
+        key, created = ensure(db, args.name, secret, args.rate_limit, args.service_class, args.priority)
         return (f"Created the API key {key.name!r} ({key.prefix}) from {args.from_env}." if created else
                 f"The API key {key.name!r} ({key.prefix}) is in place already; nothing changed.")
     raise AssertionError(args.command)
@@ -207,7 +245,15 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("name")
     c.add_argument("--rate-limit", help="requests this key may make, e.g. 60/minute, 1000/hour (default: no limit "
                                         "of its own; the per-address limits still apply)")
-    sub.add_parser("list", help="every key: name, prefix, created, last used, revoked, rate limit (never the key)")
+    class_options(c, "standard")
+    sub.add_parser("list", help="every key: name, prefix, created, last used, revoked, rate limit, class, priority "
+                                "(never the key)")
+    st = sub.add_parser("set", help="change a key's default service class or its right to ask for priority")
+    st.add_argument("name")
+    st.add_argument("--class", dest="service_class", choices=CLASSES, help="its requests' class when they name no "
+                                                                          "service_tier")
+    st.add_argument("--priority", action=argparse.BooleanOptionalAction, default=None,
+                    help="whether it may send service_tier \"priority\" (served as interactive)")
     sub.add_parser("revoke", help="refuse a key from now on (within a few seconds)").add_argument("name")
     sub.add_parser("delete", help="remove a key for good, freeing its name").add_argument("name")
     e = sub.add_parser("ensure", help="create the key NAME holding the value of an environment variable, unless it "
@@ -215,7 +261,16 @@ def parser() -> argparse.ArgumentParser:
     e.add_argument("name")
     e.add_argument("--from-env", required=True, metavar="VAR", help="the environment variable holding the key")
     e.add_argument("--rate-limit", help="as for create, when the key is created")
+    class_options(e, "standard")
     return p
+
+
+def class_options(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--class", dest="service_class", choices=CLASSES, default=default,
+                   help=f"the class of its requests that name no service_tier (default: {default}): interactive is "
+                        "served first, like the chat; bulk waits for the others")
+    p.add_argument("--priority", action="store_true", help="allow it to send service_tier \"priority\" (served as "
+                                                           "interactive); without it such a request gets 400")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -93,7 +93,8 @@ def new_job(messages: list[dict], params: dict, source: str, conversation_id: st
 
 def record_for(job: dict) -> RequestRecord:
     return RequestRecord(request_id=job["request_id"], conversation_id=job["conversation_id"], source=job["source"],
-                         enqueued_at=datetime.fromtimestamp(job["enqueued_at"], tz=UTC), api_key=job.get("api_key"))
+                         enqueued_at=datetime.fromtimestamp(job["enqueued_at"], tz=UTC), api_key=job.get("api_key"),
+                         service_class=service_class(job))
 
 
 def send(job: dict) -> None:

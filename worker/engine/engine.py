@@ -15,6 +15,7 @@ from . import logprobs
 from .block_manager import BlockManager
 from .config import EngineConfig
 from .detokenizer import IncrementalDetokenizer
+from .dry import BreakerTokens
 from .grammar import Grammars
 from .model_runner import ModelRunner, _text_config
 from .outputs import EngineStats, Event, RequestFinished, TokenDelta, TokenLogprob
@@ -109,7 +110,7 @@ class LLMEngine:
         self.max_model_len = self.runner.max_len
         self.blocks = BlockManager(self.runner.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.blocks)
-        self.sampler = Sampler(self.config.sampler_candidates)
+        self.sampler = Sampler(self.config.sampler_candidates, breakers=BreakerTokens(tokenizer))
         self.sampler.warm_up(self.vocab, self.device)
         self.eos_ids = self._eos_ids(model, tokenizer)
         self.grammars = Grammars(tokenizer, self.eos_ids, self.vocab)
@@ -181,6 +182,8 @@ class LLMEngine:
         if outside:
             raise InvalidRequestError(f"logit_bias names token ids the model does not have: {outside[:5]}; "
                                       f"its ids run from 0 to {self.vocab - 1}.")
+        if params.dry and params.dry_sequence_breakers:   # their token ids, looked up here rather than in a step
+            self.sampler.breakers(tuple(params.dry_sequence_breakers))
         seed = params.seed if params.seed is not None else random_seed()
         arrival_time = arrival_time or time.time()
         group = [Sequence(

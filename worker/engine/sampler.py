@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from worker.engine.dry import BreakerResolver, DryRows, dry_penalise_
 from worker.engine.logprobs import pack as pack_logprobs
 from worker.engine.sampling_params import SamplingParams
 from worker.engine.transfer import upload
@@ -136,6 +137,7 @@ class RowParams:
     key_a: torch.Tensor         # int64 [R]
     key_b: torch.Tensor         # int64 [R]
     bias: Bias | None
+    dry: DryRows | None         # the rows with DRY, None when no row has it
     penalised: list[bool]
     counted: list[bool]         # rows with a presence or frequency penalty (over their generated tokens)
     logprob_rows: list[int]     # rows that report their sampled tokens' log-probabilities
@@ -155,11 +157,12 @@ class RowParams:
     @property
     def any_processor(self) -> bool:
         """A processor that changes the scores greedy rows take their argmax of."""
-        return self.any_penalty or self.any_counted or self.bias is not None
+        return self.any_penalty or self.any_counted or self.bias is not None or self.dry is not None
 
     @classmethod
     def build(cls, params: Sequence[SamplingParams], seeds: Sequence[int], vocab: int,
-              device: torch.device) -> RowParams:
+              device: torch.device, breakers: BreakerResolver | None = None) -> RowParams:
+        """breakers: DRY's sequence breakers to token ids (the engine's tokenizer)."""
         greedy = [p.greedy for p in params]
         temps = [1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]
         top_k = [min(p.top_k, vocab) if not g and p.top_k > 0 else vocab for p, g in zip(params, greedy)]
@@ -189,6 +192,7 @@ class RowParams:
             key_a=upload([a for a, _ in keys], torch.int64, device),
             key_b=upload([b for _, b in keys], torch.int64, device),
             bias=_bias(params, vocab, device),
+            dry=DryRows.build(params, vocab, device, breakers),
             penalised=[p != 1.0 for p in penalty],
             counted=counted,
             logprob_rows=logprob_rows,
@@ -369,9 +373,10 @@ def count_penalise_(padded: torch.Tensor, ids: torch.Tensor, presence: torch.Ten
 
 def processed(logits: torch.Tensor, rows: RowParams, history: TokenHistory,
               histories: Sequence[list[int]], pending: Pending | None = None, generated: TokenHistory | None = None,
-              prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None) -> torch.Tensor:
-    """float32 scores after the grammar mask, the logit bias, the repetition penalty and the presence and frequency
-    penalties, in that order (a new tensor then, else `logits` itself when float32). prompt_lens: where each
+              prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None,
+              dry_history: TokenHistory | None = None) -> torch.Tensor:
+    """float32 scores after the grammar mask, the logit bias, the repetition penalty, the presence and frequency
+    penalties and DRY, in that order (a new tensor then, else `logits` itself when float32). prompt_lens: where each
     history's generated tokens start (None: all of it is generated)."""
     if not rows.any_processor and masks is None:
         return logits.float()
@@ -389,6 +394,9 @@ def processed(logits: torch.Tensor, rows: RowParams, history: TokenHistory,
         ids = (generated or TokenHistory()).update(histories, rows.counted, vocab, logits.device, pending,
                                                    prompt_lens)
         count_penalise_(padded, ids, rows.presence, rows.frequency)
+    if rows.dry is not None:
+        ids = (dry_history or TokenHistory()).update(histories, rows.dry.wanted, vocab, logits.device, pending)
+        dry_penalise_(padded, ids, [len(h) for h in histories], rows.dry)
     return scores
 
 
@@ -476,9 +484,10 @@ def draw_candidates(cut: Cutoff, threshold: torch.Tensor, u: torch.Tensor) -> to
 
 
 def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams], histories: Sequence[list[int]],
-                     prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None) -> torch.Tensor:
-    """The grammar mask, logit bias, repetition, presence and frequency penalties, temperature, top-k, top-p and
-    min_p, in the sampler's order, as the sampler applies them.
+                     prompt_lens: Sequence[int] | None = None, masks: GrammarMasks | None = None,
+                     breakers: BreakerResolver | None = None) -> torch.Tensor:
+    """The grammar mask, logit bias, repetition, presence and frequency penalties, DRY, temperature, top-k, top-p
+    and min_p, in the sampler's order, as the sampler applies them.
 
     Returns a new float32 tensor with filtered tokens at -inf; `logits` is left untouched. Greedy rows only get
     the mask, the bias and the penalties, matching `generate(do_sample=False)`, which skips the warpers.
@@ -486,7 +495,7 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams], his
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(histories) != len(params):
         raise ValueError("logits must be [B, V] with one params entry and one history per row")
     vocab = logits.shape[1]
-    rows = RowParams.build(params, [0] * len(params), vocab, logits.device)
+    rows = RowParams.build(params, [0] * len(params), vocab, logits.device, breakers)
     scores = processed(logits, rows, TokenHistory(), histories, None, TokenHistory(), prompt_lens, masks)
     if scores.data_ptr() == logits.data_ptr():
         scores = scores.clone()
@@ -508,11 +517,14 @@ class Sampler:
     On CUDA, a batch whose sampled rows have no top-k, top-p or min_p (temperature alone, after any processor)
     draws by `race` instead: one fused pass over the logits, where the inverse-CDF draw takes about eight."""
 
-    def __init__(self, candidates: int | None = None, race: bool | None = None) -> None:
+    def __init__(self, candidates: int | None = None, race: bool | None = None,
+                 breakers: BreakerResolver | None = None) -> None:
         self.candidates = candidates   # CPU: 0 takes the device path; None: CPU_CANDIDATES
         self.race = race               # None: on CUDA
+        self.breakers = breakers       # DRY's sequence breakers to token ids (dry.BreakerTokens)
         self.history = TokenHistory()     # whole histories, for the repetition penalty
         self.generated = TokenHistory()   # generated tokens only, for the presence and frequency penalties
+        self.dry_history = TokenHistory()   # whole histories of the DRY rows
         self._rows_key: tuple | None = None
         self._rows_params: list[SamplingParams] = []
         self._rows: RowParams | None = None
@@ -533,7 +545,7 @@ class Sampler:
         """Per-row tensors, rebuilt only when the batch's requests change (params are held, so ids stay unique)."""
         key = (tuple(map(id, params)), tuple(seeds), vocab, device)
         if key != self._rows_key or self._rows is None:
-            self._rows = RowParams.build(params, seeds, vocab, device)
+            self._rows = RowParams.build(params, seeds, vocab, device, self.breakers)
             self._rows_key, self._rows_params = key, list(params)
         return self._rows
 
@@ -554,10 +566,12 @@ class Sampler:
         if (self.race if self.race is not None else device.type == "cuda") and not rows.any_filter \
                 and not rows.any_min_p:
             scores = logits if not rows.any_processor and masks is None else \
-                processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks)
+                processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks,
+                          self.dry_history)
             draw = race_compiled if device.type == "cuda" else race
             return draw(scores, rows.temperature, rows.greedy, rows.key_a, rows.key_b, positions)
-        scores = processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks)
+        scores = processed(logits, rows, self.history, histories, pending, self.generated, prompt_lens, masks,
+                           self.dry_history)
         greedy_tokens = scores.argmax(dim=-1) if rows.any_greedy else None
         if rows.all_greedy:
             return greedy_tokens

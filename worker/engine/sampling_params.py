@@ -8,6 +8,8 @@ from typing import Any
 
 from structured import Structure
 
+from worker.engine.dry import DEFAULT_BREAKERS
+
 MAX_TEMPERATURE = 2.0
 MAX_REPETITION_PENALTY = 10.0
 MAX_SEED = 2**63 - 1
@@ -18,6 +20,10 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGPROBS = 20
 MAX_CHOICES = 8
+MAX_DRY_MULTIPLIER = 100.0
+MAX_DRY_BASE = 10.0
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_LENGTH = 40
 
 
 class InvalidParamsError(ValueError):
@@ -42,6 +48,14 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first; None = off
     n: int = 1  # choices: copies of the request that share its prompt's KV blocks
     structure: Structure | None = None  # the answer must match this (grammar-constrained decoding)
+    # DRY, as llama.cpp's server: a token that would extend a run of n >= dry_allowed_length tokens already seen
+    # in the last dry_penalty_last_n tokens (-1: the whole context, prompt included; 0: off) loses
+    # dry_multiplier * dry_base ** (n - dry_allowed_length); runs are not counted across a sequence breaker.
+    dry_multiplier: float = 0.0  # 0 = off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
 
     def __post_init__(self) -> None:
         # Clients send JSON, so a single stop string or a list is the common shape.
@@ -51,6 +65,8 @@ class SamplingParams:
             self.stop = (self.stop,)
         elif isinstance(self.stop, list):
             self.stop = tuple(self.stop)
+        if isinstance(self.dry_sequence_breakers, list):
+            self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
         # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100}.
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {int(k) if isinstance(k, str) and k.strip().isdigit() else k: v
@@ -110,6 +126,7 @@ class SamplingParams:
         _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "must be between 0 and 1 (0 = disabled)")
         _check_int("n", self.n, lambda v: 1 <= v <= MAX_CHOICES, f"must be an integer between 1 and {MAX_CHOICES}")
         self._validate_logit_bias()
+        self._validate_dry()
         if self.structure is not None and not isinstance(self.structure, Structure):
             raise InvalidParamsError(
                 f"structure must be a structured.Structure or null; got {type(self.structure).__name__}")
@@ -129,6 +146,26 @@ class SamplingParams:
                 raise InvalidParamsError(f"logit_bias keys must be token ids (integers >= 0); got {token!r}")
             _check_real(f"logit_bias[{token}]", value, lambda v: -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS,
                         f"must be between {-MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}")
+
+    @property
+    def dry(self) -> bool:
+        return self.dry_multiplier > 0 and self.dry_penalty_last_n != 0
+
+    def _validate_dry(self) -> None:
+        _check_real("dry_multiplier", self.dry_multiplier, lambda v: 0 <= v <= MAX_DRY_MULTIPLIER,
+                    f"must be between 0 and {MAX_DRY_MULTIPLIER:g} (0 = DRY off)")
+        _check_real("dry_base", self.dry_base, lambda v: 1 <= v <= MAX_DRY_BASE,
+                    f"must be between 1 and {MAX_DRY_BASE:g}")
+        _check_int("dry_allowed_length", self.dry_allowed_length, lambda v: v >= 1,
+                   "must be an integer >= 1 (the longest run repeated without a penalty)")
+        _check_int("dry_penalty_last_n", self.dry_penalty_last_n, lambda v: v >= -1,
+                   "must be an integer >= -1 (-1 = the whole context, 0 = DRY off)")
+        breakers = self.dry_sequence_breakers
+        if not isinstance(breakers, tuple) or len(breakers) > MAX_DRY_BREAKERS or not all(
+                isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_LENGTH for b in breakers):
+            raise InvalidParamsError(
+                f"dry_sequence_breakers must be a list of at most {MAX_DRY_BREAKERS} non-empty strings of at most "
+                f"{MAX_DRY_BREAKER_LENGTH} characters; got {str(breakers)[:80]}")
 
     def _validate_stop(self) -> None:
         if not isinstance(self.stop, tuple):

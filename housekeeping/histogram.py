@@ -92,3 +92,12 @@ def quantiles(counts: Mapping[int, int], qs: Iterable[float]) -> list[float | No
         lo, hi = math.floor(pos), math.ceil(pos)
         out.append(at[lo] + (at[hi] - at[lo]) * (pos - lo))
     return out
+
+
+def share_at_most(counts: Mapping[int, int], limit: float) -> float | None:
+    """The share of values at most `limit` (each value read as its bucket's representative, so within 1% of the
+    limit the answer may go either way); None for an empty histogram."""
+    total = sum(counts.values())
+    if total == 0:
+        return None
+    return sum(n for b, n in counts.items() if representative(b) <= limit) / total

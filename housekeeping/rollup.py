@@ -18,12 +18,16 @@ from datetime import UTC, datetime
 
 from sqlalchemy import Connection, Engine, bindparam, delete, insert, select, text
 
+from messaging.classes import CLASSES
 from models import DirtyMinute, KeyUsage, LatencyHistogram, SlowRequest, TrafficSummary, UTCDateTime
 
 from . import histogram, lease
 from .sql import Spelling
 
 LATENCIES = ("queue_wait", "ttft", "tpot", "e2e")
+# Time to first token per service class, for each class's objective: "ttft.interactive" and so on.
+CLASS_TTFT = {cls: f"ttft.{cls}" for cls in CLASSES}
+HISTOGRAMS = LATENCIES + tuple(CLASS_TTFT.values())
 FINE = 10                     # seconds per slot computed from the records
 LEVELS = (FINE, 60, 900, 3600)
 PARENTS = ((900, 60), (3600, 900))   # (level, the level it is merged from)
@@ -50,7 +54,7 @@ class KeyFigures:
 class Slot:
     """The figures of one time slot: one histogram per latency, counts and sums, and per API key (by name)."""
 
-    histograms: dict[str, Counter] = field(default_factory=lambda: {m: Counter() for m in LATENCIES})
+    histograms: dict[str, Counter] = field(default_factory=lambda: {m: Counter() for m in HISTOGRAMS})
     requests: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
     prompt_tokens: int = 0
@@ -61,7 +65,7 @@ class Slot:
     keys: dict[str, KeyFigures] = field(default_factory=dict)
 
     def add(self, other: Slot) -> None:
-        for name in LATENCIES:
+        for name in HISTOGRAMS:
             self.histograms[name].update(other.histograms[name])
         self.requests += other.requests
         self.finish_reasons.update(other.finish_reasons)
@@ -102,6 +106,7 @@ class Queries:
         self.rows = text(
             f"CREATE TEMPORARY TABLE rollup_rows AS SELECT {s.seconds('finished_at')} / {FINE} * {FINE} AS slot, "
             f"request_id, finish_reason, prompt_tokens, completion_tokens, cached_tokens, batch_size, api_key, "
+            f"service_class, "
             f"{', '.join(latencies)} FROM request_records WHERE finished_at >= :lo AND finished_at < :hi"
         ).bindparams(bindparam("lo", type_=UTCDateTime()), bindparam("hi", type_=UTCDateTime()))
         # Qualified: never a table of that name outside this connection's temporary schema.
@@ -109,6 +114,9 @@ class Queries:
         # Plain SQL, run on the driver's cursor: about one row per record and latency comes back.
         self.histograms = {name: f"SELECT slot, {histogram.sql_bucket(name)} AS b, count(*) FROM rollup_rows "
                                  f"WHERE {name} IS NOT NULL GROUP BY slot, b" for name in LATENCIES}
+        self.class_ttft = (f"SELECT slot, service_class, {histogram.sql_bucket('ttft')} AS b, count(*) "
+                           "FROM rollup_rows WHERE ttft IS NOT NULL AND service_class IS NOT NULL "
+                           "GROUP BY slot, service_class, b")
         self.traffic = text(
             "SELECT slot, finish_reason, count(*), sum(prompt_tokens), sum(completion_tokens), sum(cached_tokens), "
             "sum(batch_size), count(batch_size) FROM rollup_rows GROUP BY slot, finish_reason")
@@ -152,6 +160,9 @@ def compute(conn: Connection, minutes: Iterable[int]) -> tuple[dict[tuple[int, i
                     if start != current:
                         current, counts = start, _slot(slots, (FINE, int(start))).histograms[name]
                     counts[int(b)] += n
+            for start, cls, b, n in _fetch(conn, q.class_ttft):
+                if cls in CLASS_TTFT:
+                    _slot(slots, (FINE, int(start))).histograms[CLASS_TTFT[cls]][int(b)] += n
             for start, reason, n, prompt, completion, cached, batch_sum, batch_n in conn.execute(q.traffic):
                 slot = _slot(slots, (FINE, int(start)))
                 slot.requests += n

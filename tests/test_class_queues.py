@@ -87,6 +87,8 @@ def test_a_worker_takes_interactive_requests_before_the_ones_queued_ahead_of_the
         chats = [s.get(RequestRecord, rid) for rid in chat_ids]
         apis = [s.get(RequestRecord, rid) for rid in api_ids]
     assert all(rec.finished_at is not None for rec in chats + apis)
+    assert [c.service_class for c in chats] == ["interactive"] * 2
+    assert sorted(a.service_class for a in apis) == ["bulk"] * 6 + ["standard"] * 4
     assert max(c.admitted_at for c in chats) < min(a.admitted_at for a in apis)
     assert sum(queue_depths(r).values()) == 0
 

@@ -20,6 +20,7 @@ from sqlalchemy.pool import NullPool
 from werkzeug.security import generate_password_hash
 
 from housekeeping import histogram, rollup
+from messaging.classes import DEFAULT_TTFT_OBJECTIVE_S
 from models import RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
 from webapp import config, create_app
@@ -274,7 +275,8 @@ def make_records(now: float) -> list[RequestRecord]:
             first_token_at=at(first) if first else None, finished_at=at(finished),
             prompt_tokens=rng.randint(20, 300), completion_tokens=tokens, cached_tokens=rng.randint(0, 20),
             finish_reason=reason, batch_size=rng.uniform(1, 4),
-            error="<img src=x onerror=alert(1)> worker lost" if reason == "error" else None))
+            error="<img src=x onerror=alert(1)> worker lost" if reason == "error" else None,
+            service_class=rng.choice(["interactive", "standard", "bulk", None])))   # None: written before classes
     # Still queued: not finished, so in no window.
     records.append(RequestRecord(request_id="req-queued", source="chat", enqueued_at=at(now - 5)))
     return records
@@ -300,7 +302,8 @@ def seeded(any_database_url, redis_url):
 
 
 @pytest.fixture()
-def figures_client(any_database_url, redis_url, seeded):
+def figures_client(any_database_url, redis_url, seeded, monkeypatch):
+    monkeypatch.setenv("TTFT_OBJECTIVE_INTERACTIVE_S", "0.25")   # inside the seeded records' spread
     app = create_app({"DATABASE_URL": any_database_url, "REDIS_URL": redis_url, "OPERATOR_PASSWORD": PASSWORD})
     client = app.test_client()
     assert login(client).status_code == 302
@@ -389,6 +392,19 @@ def test_the_json_figures_equal_figures_computed_from_the_rows(figures_client, s
                 assert within_bound(got, float(np.percentile(values, p)) if values else None), (name, q, i)
     assert sum(len(v) for v in want["buckets"].values()) == len(want["rows"])
 
+    for cls, got in body["classes"].items():
+        ttfts = [r.ttft for r in want["rows"] if r.service_class == cls and r.ttft is not None]
+        objective = DEFAULT_TTFT_OBJECTIVE_S[cls] if cls != "interactive" else 0.25
+        assert got["objective_s"] == objective and got["count"] == len(ttfts), cls
+        for q, p in (("p50", 50), ("p99", 99)):
+            assert within_bound(got["ttft"][q], float(np.percentile(ttfts, p)) if ttfts else None), (cls, q)
+        # Read from the histogram: a request within 1% of the objective may count either way.
+        low = sum(t <= objective * (1 - histogram.RELATIVE_ERROR) for t in ttfts) / len(ttfts)
+        high = sum(t <= objective * (1 + histogram.RELATIVE_ERROR) for t in ttfts) / len(ttfts)
+        assert low <= got["attainment"] <= high, (cls, got)
+    assert sum(c["count"] for c in body["classes"].values()) < body["latency"]["ttft"]["count"], \
+        "records without a class count in no class"
+
     assert [s["request_id"] for s in body["slowest"]] == want["slowest"]
     by_id = {r.request_id: r for r in want["rows"]}
     for s in body["slowest"]:
@@ -400,6 +416,7 @@ def test_the_json_figures_equal_figures_computed_from_the_rows(figures_client, s
 
 def test_the_json_shows_the_engines_now(figures_client):
     live = figures_client.get("/dashboard/data?window=5m").json["live"]
+    assert live["queue_depths"] == {"interactive": 0, "standard": 4, "bulk": 0}
     assert live["queue_depth"] == 4 and live["running"] == 4 and live["waiting"] == 2
     assert live["kv_cache_usage"] == pytest.approx(0.375)
     assert [w["name"] for w in live["workers"]] == ["w1", "w2"] and live["error"] is None

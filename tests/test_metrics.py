@@ -19,6 +19,7 @@ from webapp.metrics import merge_snapshots
 from worker.engine import EngineStats, RequestFinished
 from worker.local_redis import start_redis
 from messaging.contract import snapshot_key
+from messaging.classes import CLASSES
 from worker.metrics import WorkerMetrics
 
 HISTOGRAMS = ("supportbot_time_to_first_token_seconds", "supportbot_time_per_output_token_seconds",
@@ -56,12 +57,13 @@ def buckets(families: dict[str, list], histogram: str, **labels: str) -> list[tu
 
 def assert_valid_histograms(families: dict[str, list], worker: str) -> None:
     for name in HISTOGRAMS:
-        bs = buckets(families, name, worker=worker)
-        bounds = [float(le) for le, _ in bs]
-        counts = [c for _, c in bs]
-        assert bs[-1][0] == "+Inf" and bounds == sorted(bounds), name
-        assert all(a <= b for a, b in zip(counts, counts[1:])), f"{name} buckets must be cumulative"
-        assert counts[-1] == value(families, name + "_count", worker=worker), name
+        for cls in CLASSES:
+            bs = buckets(families, name, worker=worker, **{"class": cls})
+            bounds = [float(le) for le, _ in bs]
+            counts = [c for _, c in bs]
+            assert bs[-1][0] == "+Inf" and bounds == sorted(bounds), name
+            assert all(a <= b for a, b in zip(counts, counts[1:])), f"{name} buckets must be cumulative"
+            assert counts[-1] == value(families, name + "_count", worker=worker, **{"class": cls}), name
 
 
 def assert_one_type_line_per_family(text: str) -> None:
@@ -72,6 +74,9 @@ def assert_one_type_line_per_family(text: str) -> None:
 # ---- the worker's registry -----------------------------------------------------------------
 
 
+STD = {"class": "standard"}   # a job that names no class (an older web process's) is standard
+
+
 def test_observe_puts_each_timing_in_its_bucket():
     m = WorkerMetrics("w1", "tiny")
     job = {"enqueued_at": 100.0}
@@ -79,15 +84,15 @@ def test_observe_puts_each_timing_in_its_bucket():
     m.observe(job, finished("b", admitted=None, first=None, end=100.05, tokens=0, reason="error"))
     fams = parse(m.exposition(stats()).decode())
     # Times count from the web app's enqueue (100.0), not from the engine's arrival (100.1).
-    assert dict(buckets(fams, "supportbot_request_queue_time_seconds"))["0.25"] == 0
-    assert dict(buckets(fams, "supportbot_request_queue_time_seconds"))["0.5"] == 1
-    assert dict(buckets(fams, "supportbot_time_to_first_token_seconds"))["0.75"] == 0
-    assert dict(buckets(fams, "supportbot_time_to_first_token_seconds"))["1.0"] == 1
-    assert dict(buckets(fams, "supportbot_time_per_output_token_seconds"))["0.1"] == 0
-    assert dict(buckets(fams, "supportbot_time_per_output_token_seconds"))["0.15"] == 1
-    assert dict(buckets(fams, "supportbot_e2e_request_latency_seconds"))["0.1"] == 1
-    assert dict(buckets(fams, "supportbot_e2e_request_latency_seconds"))["1.5"] == 1
-    assert dict(buckets(fams, "supportbot_e2e_request_latency_seconds"))["2.0"] == 2
+    assert dict(buckets(fams, "supportbot_request_queue_time_seconds", **STD))["0.25"] == 0
+    assert dict(buckets(fams, "supportbot_request_queue_time_seconds", **STD))["0.5"] == 1
+    assert dict(buckets(fams, "supportbot_time_to_first_token_seconds", **STD))["0.75"] == 0
+    assert dict(buckets(fams, "supportbot_time_to_first_token_seconds", **STD))["1.0"] == 1
+    assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.1"] == 0
+    assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.15"] == 1
+    assert dict(buckets(fams, "supportbot_e2e_request_latency_seconds", **STD))["0.1"] == 1
+    assert dict(buckets(fams, "supportbot_e2e_request_latency_seconds", **STD))["1.5"] == 1
+    assert dict(buckets(fams, "supportbot_e2e_request_latency_seconds", **STD))["2.0"] == 2
     assert value(fams, "supportbot_e2e_request_latency_seconds_count") == 2
     assert value(fams, "supportbot_time_to_first_token_seconds_count") == 1
     assert value(fams, "supportbot_e2e_request_latency_seconds_sum") == pytest.approx(1.85 + 0.05)
@@ -100,6 +105,23 @@ def test_observe_puts_each_timing_in_its_bucket():
     assert value(fams, "supportbot_num_preemptions_total") == 3
     assert value(fams, "supportbot_prefix_cache_hit_tokens_total") == 640
     assert value(fams, "supportbot_prefix_cache_query_tokens_total") == 1000
+
+
+def test_latencies_are_labelled_by_class_with_each_class_objective_and_its_attainment(monkeypatch):
+    monkeypatch.setenv("TTFT_OBJECTIVE_INTERACTIVE_S", "0.5")
+    m = WorkerMetrics("w1", "tiny")
+    for cls, first in (("interactive", 100.2), ("interactive", 100.9), ("bulk", 130.0)):
+        m.observe({"enqueued_at": 100.0, "params": {"service_class": cls}}, finished("a", 100.1, first, 140.0, 5))
+    fams = parse(m.exposition(stats()).decode())
+    assert value(fams, "supportbot_time_to_first_token_seconds_count", **{"class": "interactive"}) == 2
+    assert value(fams, "supportbot_time_to_first_token_seconds_count", **{"class": "bulk"}) == 1
+    assert value(fams, "supportbot_time_to_first_token_seconds_count", **{"class": "standard"}) == 0
+    assert value(fams, "supportbot_e2e_request_latency_seconds_count", **{"class": "bulk"}) == 1
+    assert value(fams, "supportbot_ttft_objective_seconds", **{"class": "interactive"}) == 0.5
+    assert value(fams, "supportbot_ttft_objective_seconds", **{"class": "bulk"}) == 60
+    # 0.2 s met 0.5 s, 0.9 s did not; bulk's 30 s met its 60 s.
+    assert value(fams, "supportbot_ttft_objective_met_total", **{"class": "interactive"}) == 1
+    assert value(fams, "supportbot_ttft_objective_met_total", **{"class": "bulk"}) == 1
 
 
 def test_snapshots_of_two_workers_merge_into_valid_text():

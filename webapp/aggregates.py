@@ -22,6 +22,7 @@ from sqlalchemy.orm import Session
 from housekeeping import histogram, lease, rollup
 from housekeeping.sql import Spelling
 from models import FINISH_REASONS, ApiKey, DirtyMinute, RequestRecord, SlowRequest, UTCDateTime
+from messaging.classes import ttft_objectives
 from messaging.contract import HEARTBEAT_PREFIX
 from messaging.queue import queue_depths
 
@@ -231,8 +232,22 @@ def live(r: redis.Redis, now: float | None = None) -> dict:
             "kv_cache_usage": sum(usages) / len(usages) if usages else None, "workers": workers}
 
 
-def figures(db: Session, r: redis.Redis | None, window: str, now: float | None = None) -> dict:
-    """Everything the dashboard shows for one window; the page reads nothing else."""
+def classes(total: rollup.Slot | None, objectives: dict[str, float]) -> dict:
+    """Per service class: its TTFT objective, TTFT percentiles and the share of its requests that met the objective
+    (read from the class's histogram: within 1% of the objective a request may count either way)."""
+    out = {}
+    for cls, metric in rollup.CLASS_TTFT.items():
+        counts = total.histograms[metric] if total is not None else None
+        out[cls] = {"objective_s": objectives[cls], "ttft": quantiles(counts),
+                    "count": sum(counts.values()) if counts is not None else None,
+                    "attainment": histogram.share_at_most(counts, objectives[cls]) if counts is not None else None}
+    return out
+
+
+def figures(db: Session, r: redis.Redis | None, window: str, now: float | None = None,
+            objectives: dict[str, float] | None = None) -> dict:
+    """Everything the dashboard shows for one window; the page reads nothing else. `objectives`: each service
+    class's TTFT objective (messaging/classes.py)."""
     w = WINDOWS[window]
     now = time.time() if now is None else now
     bucket = w.bucket_seconds
@@ -260,4 +275,5 @@ def figures(db: Session, r: redis.Redis | None, window: str, now: float | None =
         "slowest": [asdict(t) for t in slowest(db, first, now, state)],
         "recent_errors": recent_errors(db, first),
         "api_keys": key_usage(db, total),
+        "classes": classes(total, objectives or ttft_objectives()),
     }

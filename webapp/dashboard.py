@@ -22,7 +22,7 @@ def chosen_window() -> str | None:
 @bp.get("")
 @operator_required(page=True)
 def page():
-    return render_template("dashboard.html", windows=aggregates.WINDOWS.values(),
+    return render_template("dashboard.html", windows=aggregates.WINDOWS.values(), classes=CLASSES,
                            window=chosen_window() or aggregates.DEFAULT_WINDOW, poll_seconds=POLL_SECONDS,
                            operator=current_app.config["OPERATOR_USERNAME"])
 
@@ -35,7 +35,8 @@ def data():
         return {"error": {"code": "invalid_window",
                           "message": f"window must be one of {', '.join(aggregates.WINDOWS)}."}}, 400
     with current_app.extensions["db"]() as db:
-        body = aggregates.figures(db, current_app.extensions["redis"], window)
+        body = aggregates.figures(db, current_app.extensions["redis"], window,
+                                  objectives=current_app.config["TTFT_OBJECTIVES"])
     return body, 200, {"Cache-Control": "no-store"}
 
 

@@ -7,10 +7,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import redis
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from messaging.classes import CLASSES, ttft_objectives
 from messaging.contract import snapshot_key
+from messaging.jobs import service_class
 from models import FINISH_REASONS
 
 if TYPE_CHECKING:   # published from the worker's heartbeat thread; only the types come from the engine
@@ -72,16 +74,29 @@ class WorkerMetrics:
         self.worker = worker
         self.registry = CollectorRegistry()
         reg = self.registry
+        # Latencies by service class (interactive, standard, bulk): each class has its own objective.
         self.queue_time = Histogram("supportbot_request_queue_time_seconds",
-                                    "Seconds from enqueue to admission into the running batch.",
+                                    "Seconds from enqueue to admission into the running batch.", ["class"],
                                     buckets=QUEUE_BUCKETS, registry=reg)
         self.ttft = Histogram("supportbot_time_to_first_token_seconds",
-                              "Seconds from enqueue to the first output token.", buckets=TTFT_BUCKETS, registry=reg)
+                              "Seconds from enqueue to the first output token.", ["class"], buckets=TTFT_BUCKETS,
+                              registry=reg)
         self.tpot = Histogram("supportbot_time_per_output_token_seconds",
-                              "Mean seconds per output token after the first, per request.",
+                              "Mean seconds per output token after the first, per request.", ["class"],
                               buckets=TPOT_BUCKETS, registry=reg)
         self.e2e = Histogram("supportbot_e2e_request_latency_seconds", "Seconds from enqueue to the request's end.",
-                             buckets=E2E_BUCKETS, registry=reg)
+                             ["class"], buckets=E2E_BUCKETS, registry=reg)
+        # Attainment of the class's TTFT objective: ttft_objective_met / time_to_first_token_seconds_count.
+        self.objectives = ttft_objectives()
+        self.objective_met = Counter("supportbot_ttft_objective_met",
+                                     "Requests whose first token came within their class's TTFT objective.",
+                                     ["class"], registry=reg)
+        objective = Gauge("supportbot_ttft_objective_seconds", "Each class's time-to-first-token objective "
+                          "(TTFT_OBJECTIVE_<CLASS>_S).", ["class"], registry=reg)
+        for cls in CLASSES:   # every class present from the start, so rate() sees the first request
+            for metric in (self.queue_time, self.ttft, self.tpot, self.e2e, self.objective_met):
+                metric.labels(cls)
+            objective.labels(cls).set(self.objectives[cls])
         self.success = Counter("supportbot_request_success", "Finished requests by finish reason.",
                                ["finish_reason"], registry=reg)
         for reason in FINISH_REASONS:   # every reason present from the start, so rate() sees the first one
@@ -95,13 +110,17 @@ class WorkerMetrics:
     def observe(self, job: dict, done: RequestFinished) -> None:
         """Once per stored record; times count from the web app's enqueue, as in request_records."""
         start = job.get("enqueued_at") or done.arrival_time
+        cls = service_class(job)
         if done.admitted_time is not None:
-            self.queue_time.observe(max(0.0, done.admitted_time - start))
+            self.queue_time.labels(cls).observe(max(0.0, done.admitted_time - start))
         if done.first_token_time is not None:
-            self.ttft.observe(max(0.0, done.first_token_time - start))
+            ttft = max(0.0, done.first_token_time - start)
+            self.ttft.labels(cls).observe(ttft)
+            if ttft <= self.objectives[cls]:
+                self.objective_met.labels(cls).inc()
         if done.tpot is not None:
-            self.tpot.observe(max(0.0, done.tpot))
-        self.e2e.observe(max(0.0, done.finished_time - start))
+            self.tpot.labels(cls).observe(max(0.0, done.tpot))
+        self.e2e.labels(cls).observe(max(0.0, done.finished_time - start))
         self.success.labels(done.finish_reason).inc()
         self.prompt_tokens.inc(done.prompt_tokens)
         self.generation_tokens.inc(done.completion_tokens)

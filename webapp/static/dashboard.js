@@ -237,6 +237,22 @@
     document.getElementById("api-keys-empty").hidden = keys === null || rows.length > 0;
   }
 
+  function renderClasses(classes, live) {
+    for (const [name, c] of Object.entries(classes || {})) {
+      const row = document.querySelector(`#class-table tr[data-class="${name}"]`);
+      if (!row) continue;
+      const field = (f) => row.querySelector(`[data-f="${f}"]`);
+      field("objective").textContent = `≤ ${fmtSeconds(c.objective_s)}`;
+      field("attainment").textContent = c.attainment === null ? "–" : fmtPercent(c.attainment);
+      row.dataset.tone = c.attainment === null ? "" : c.attainment >= 0.99 ? "good" : c.attainment < 0.9 ? "bad" : "";
+      field("p50").textContent = fmtSeconds(c.ttft.p50);
+      field("p99").textContent = fmtSeconds(c.ttft.p99);
+      field("count").textContent = fmtNumber(c.count);
+      const queued = live && live.queue_depths ? live.queue_depths[name] : null;
+      field("queued").textContent = queued === null || queued === undefined ? "–" : fmtNumber(queued);
+    }
+  }
+
   function render(data) {
     renderLive(data.live);
     renderTotals(data);
@@ -246,6 +262,7 @@
     renderSlowest(data.slowest);
     renderErrors(data.recent_errors);
     renderKeys(data.api_keys);
+    renderClasses(data.classes, data.live);
     root.dataset.generatedAt = String(data.generated_at);
   }
 

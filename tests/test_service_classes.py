@@ -121,3 +121,38 @@ def test_an_unknown_service_class_is_refused_naming_the_classes(tiny):
     with pytest.raises(ValueError, match="bulk_token_share"):
         EngineConfig(bulk_token_share=1.5).validate()
     engine.release_model()
+
+
+@pytest.mark.real_model
+def test_preempted_bulk_answers_equal_their_answers_alone_on_the_real_default_model(real_model):
+    """The default model as the worker serves it (WEIGHTS=auto): three bulk requests fill every slot, a chat
+    arrives mid-decode and preempts one; every answer equals the same request's answer in an engine of its own."""
+    from tests.test_engine import QUESTIONS, chat_ids
+
+    model, tok = real_model
+    config = EngineConfig(max_num_seqs=3, max_num_batched_tokens=64, bulk_token_share=0.0)
+    prompts = {f"bulk{i}": chat_ids(tok, QUESTIONS[i]) for i in range(3)} | {"chat": chat_ids(tok, QUESTIONS[3])}
+    caps = {"bulk0": 40, "bulk1": 40, "bulk2": 40, "chat": 16}
+    engine = LLMEngine(model, tok, config)
+    for i in range(3):
+        engine.add_request(f"bulk{i}", prompt_token_ids=prompts[f"bulk{i}"], params=greedy(caps[f"bulk{i}"]),
+                           service_class="bulk")
+    results: dict = {}
+    run(engine, results, steps=8)
+    assert engine.stats().running == 3
+    engine.add_request("chat", prompt_token_ids=prompts["chat"], params=greedy(caps["chat"]),
+                       service_class="interactive")
+    start = engine.steps
+    firsts = run(engine, results)
+    assert firsts["chat"] == start + 1
+    assert engine.stats().class_preemptions >= 1
+    assert sum(results[f"bulk{i}"].preemptions for i in range(3)) >= 1
+    engine.release_model()
+    for rid, ids in prompts.items():   # each alone, in a fresh engine on the same model
+        solo = LLMEngine(model, tok, config)
+        solo.add_request(rid, prompt_token_ids=ids, params=greedy(caps[rid]))
+        alone_results: dict = {}
+        run(solo, alone_results)
+        solo.release_model()
+        assert results[rid].token_ids == alone_results[rid].token_ids, rid
+    assert results["bulk0"].text.strip(), "the real model answers in words"

@@ -23,6 +23,7 @@ from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 from bench import llamacpp
+from bench.stats import percentile
 from worker.model_loader import load_model
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -193,16 +194,6 @@ class FirstTokenClock(BaseStreamer):
 
     def end(self) -> None:
         pass
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear-interpolated percentile (numpy's default), None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100
-    low, high = math.floor(pos), math.ceil(pos)
-    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
 
 
 def summarize(run: Run, requests: list[Request], eos_ids: set[int],

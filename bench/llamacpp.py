@@ -20,6 +20,8 @@ from pathlib import Path
 
 import psutil
 
+from bench.stats import percentile
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILT_SERVER = REPO_ROOT / ".llamacpp" / "bin" / "llama-server"
 SERVER_ENV = "LLAMA_SERVER"
@@ -347,7 +349,6 @@ def chat_requests(workload: dict, limit: int | None) -> list[ChatRequest]:
 def summarize(run: BaselineRun, reference_texts: dict[str, str] | None) -> dict:
     """The bench's metrics for the baseline; tokens are llama.cpp's own completion counts (EOS included, as the
     bench counts the engine's). `text_matches`: answers whose text equals the reference answer's."""
-    from bench.engine import percentile
 
     results = list(run.results.values())
     tokens = sum(r.completion_tokens for r in results)
@@ -376,7 +377,6 @@ def summarize(run: BaselineRun, reference_texts: dict[str, str] | None) -> dict:
 
 def p90s(e2e: Sequence[float], ttft: Sequence[float | None]) -> dict:
     """The 90th percentiles the baseline comparison adds; TTFT only when every request has one."""
-    from bench.engine import percentile
 
     return {"e2e_p90_s": percentile(e2e, 90),
             "ttft_p90_s": None if None in ttft else percentile(list(ttft), 90)}

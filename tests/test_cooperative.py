@@ -73,7 +73,7 @@ def test_sqlite_waits_for_another_writer_without_stopping_other_greenlets(tmp_pa
     proc = patched("""
         from sqlalchemy import text
         from models.db import make_engine
-        from webapp import async_mode
+        from webapp.sockets import async_mode
         engine = make_engine(sys.argv[1])
         gevent.spawn(ticker)
         print("ready", flush=True)

@@ -11,7 +11,7 @@ import redis
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine
 from worker.publisher import Answer
 from worker.local_redis import start_redis
-from worker.runtime import fit_to_context
+from worker.prompts import fit_to_context
 
 
 def test_fit_to_context_drops_oldest_turns_but_keeps_system_and_newest(tiny):
@@ -80,7 +80,7 @@ def test_choices_are_stored_as_one_record_and_reported_each_with_its_own_end():
     from dataclasses import replace
 
     from worker.engine import RequestFinished
-    from worker.runtime import api_fields, combined
+    from worker.ends import api_fields, combined
 
     now = time.time()
     first = RequestFinished(request_id="r", text="Hi", token_ids=[1], finish_reason="stop", prompt_tokens=5,

@@ -12,7 +12,8 @@ from flask_socketio import ConnectionRefusedError, join_room
 from messaging import chat_tools
 from models import ROLES, Conversation, Message, RequestRecord, new_conversation_id
 
-from . import limits, queue, reply, socketio
+from . import limits, queue
+from .sockets import reply, socketio
 from .metrics import CHAT_OUTCOMES_KEY, CONNECTION_OUTCOMES_KEY, count
 from .queue import UserError
 from .security import clean_text

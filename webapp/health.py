@@ -12,7 +12,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from messaging.contract import HEARTBEAT_PREFIX
 
-from . import reply, socketio
+from .sockets import reply, socketio
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The chat assistant's tool rounds: generate; run the tools it calls here, against the shop's data; feed their
-results back; answer. Only the text meant for the customer streams out; the whole exchange is stored."""
+results back; answer. Only the text meant for the customer streams out; the whole exchange is stored (worker/job.py)."""
 
 from __future__ import annotations
 
@@ -10,15 +10,14 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from messaging.jobs import service_class
 from messaging.chat_tools import CALL_ROLE, LOOKUP_ORDER, RESULT_ROLE, stored_call
-from structured import Structure, StreamParser, Tool, ToolCall, ToolError
+from messaging.jobs import service_class
+from structured import Structure, StreamParser, Tool, ToolCall
 from structured.tools import Delta, forced
 from worker import order_tool
-from worker.engine import (Event, InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams,
-                           TokenDelta)
-from worker.publisher import Answer
-from worker.runtime import WorkerRuntime, fit_to_context
+from worker.engine import Event, RequestFinished, SamplingParams, TokenDelta
+from worker.prompts import fit_to_context
+from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -66,40 +65,11 @@ class Relay:
         self.outbox.put([done])
 
 
-def run(rt: WorkerRuntime, job: dict, shown: int) -> Answer | None:
-    """Answer a chat message whose assistant has tools; its text streams out as any answer's does. Returns the
-    answer (its end on the way), or None when the request was answered with an error or is running already."""
-    rid = job["request_id"]
-    try:
-        tools = [Tool.from_openai(spec, f"tools[{i}]") for i, spec in enumerate(job["tools"])]
-        base = SamplingParams(**{k: v for k, v in job.get("params", {}).items() if k != "service_class"})
-        base.validate()
-        first = first_structure(tools, job.get("tool_choice") or "auto")
-    except (ToolError, InvalidParamsError, TypeError) as exc:
-        rt.fail(job, "invalid_request", str(exc))
-        return None
-    answer = rt.publisher.track(job, shown)
-    if answer is None:
-        return None
-    relay = Relay(rt.publisher.outbox, rid)
-    try:
-        done = converse(rt, job, tools, base, first, relay)
-    except (InvalidRequestError, InvalidParamsError) as exc:
-        rt.publisher.forget(rid)
-        rt.fail(job, "prompt_too_long" if "too long" in str(exc) else "invalid_request", str(exc))
-        return None
-    except BaseException:   # interrupted: free the slot rather than generate for nobody
-        rt.engine.abort(rid)
-        rt.publisher.forget(rid)
-        raise
-    relay.end(done)
-    return answer
-
-
 def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingParams, first: Structure | None,
-             relay: Relay) -> RequestFinished:
+             relay: Relay, was_cancelled: Callable[[], bool]) -> RequestFinished:
     """Generate until an answer calls no tool (at most MAX_TOOL_ROUNDS rounds of calls); the calls and results go
-    in `job["tool_messages"]` for the answer's record, and one RequestFinished sums the generations."""
+    in `job["tool_messages"]` for the answer's record, and one RequestFinished sums the generations. A cancel
+    found between rounds (`was_cancelled`) ends it."""
     rid, messages, specs = job["request_id"], list(job["messages"]), job["tools"]
     offered = {t.name for t in tools}
     rounds: list[RequestFinished] = []
@@ -107,7 +77,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
     exchange: list[tuple[str, str]] = []
     cancelled = False
     for n in range(MAX_TOOL_ROUNDS + 1):
-        if n and rt.was_cancelled(rid):   # stopped while a tool ran
+        if n and was_cancelled():   # stopped while a tool ran
             cancelled = True
             break
         structure = first if n == 0 else None

@@ -105,3 +105,20 @@ def completion_ids(engine, prompt: str | list[int]) -> list[int]:
         raise InvalidRequestError(f"The prompt has token ids the model does not have: {outside[:5]}; its ids run "
                                   f"from 0 to {engine.vocab - 1}.")
     return list(prompt)
+
+
+def fit_to_context(engine, messages: list[dict], reserve: int,
+                   tools: list[dict] | None = None) -> tuple[list[dict], list[int]]:
+    """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits.
+
+    Returns the kept messages and their rendered prompt ids (with `tools`, if any), so the template is rendered once.
+    """
+    messages = list(messages)
+    budget = engine.max_model_len - reserve
+    first = 1 if messages and messages[0].get("role") == "system" else 0
+    while len(ids := render_chat(engine, messages, tools)) > budget:
+        if len(messages) - first <= 1:
+            raise InvalidRequestError("This message is too long for the assistant to answer; "
+                                      "shorten it or split it into several messages.")
+        del messages[first]
+    return messages, ids

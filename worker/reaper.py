@@ -6,8 +6,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
 
 import redis
 from sqlalchemy import select, update
@@ -18,9 +18,6 @@ from messaging.contract import GENERATE_TASK, QUEUES, events_channel, job_key, q
 from messaging.jobs import service_class
 from worker.celery_app import celery
 from worker.leases import LeasedChannel
-
-if TYPE_CHECKING:
-    from worker.runtime import WorkerRuntime
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +54,11 @@ class Reaper:
     Redis lost it), its record says it was lost and the customer is told to send it again.
     """
 
-    def __init__(self, runtime: WorkerRuntime, lost_after_s: float) -> None:
-        self.rt = runtime
+    def __init__(self, r: redis.Redis, sessions: Callable, name: str, stopped: threading.Event,
+                 finish: Callable[[str, dict, dict], None], lost_after_s: float) -> None:
+        """`sessions`: the worker's SQL sessions; `name`: the worker's; `stopped`: set when the worker stops;
+        `finish(event, payload, job)`: sends a request's last event to its client."""
+        self.redis, self.sessions, self.name, self.stopped, self.finish = r, sessions, name, stopped, finish
         self.lost_after_s = lost_after_s
         self.interval = max(1.0, lost_after_s / 4)
 
@@ -66,7 +66,7 @@ class Reaper:
         threading.Thread(target=self._run, name="reaper", daemon=True).start()
 
     def _run(self) -> None:
-        while not self.rt.stopped.wait(self.interval):
+        while not self.stopped.wait(self.interval):
             try:
                 self.sweep()
             except (redis.RedisError, SQLAlchemyError) as exc:
@@ -74,7 +74,7 @@ class Reaper:
 
     def sweep(self) -> list[str]:
         """Queue again (or give up on) the requests lost from Redis; returns their ids."""
-        if not self.rt.redis.set(LOCK_KEY, self.rt.settings.name, nx=True, ex=int(self.interval + SECOND_LOOK_S)):
+        if not self.redis.set(LOCK_KEY, self.name, nx=True, ex=int(self.interval + SECOND_LOOK_S)):
             return []
         candidates = self.unfinished()
         missing = set(candidates) - self.in_redis()
@@ -88,7 +88,7 @@ class Reaper:
     def unfinished(self) -> dict[str, tuple[str | None, str]]:
         """Requests accepted more than LOST_AFTER_S ago and not finished: id -> (conversation, source)."""
         now = datetime.now(UTC)
-        with self.rt.sessions() as db:
+        with self.sessions() as db:
             rows = db.execute(select(RequestRecord.request_id, RequestRecord.conversation_id, RequestRecord.source)
                               .where(RequestRecord.finished_at.is_(None),
                                      RequestRecord.enqueued_at < now - timedelta(seconds=self.lost_after_s),
@@ -98,7 +98,7 @@ class Reaper:
 
     def in_redis(self) -> set[str]:
         """Every request waiting in a class's queue or held by a worker."""
-        r = self.rt.redis
+        r = self.redis
         pipe = r.pipeline(transaction=False)
         for name in QUEUES:
             pipe.lrange(name, 0, -1)
@@ -111,11 +111,11 @@ class Reaper:
 
     def resend(self, request_id: str) -> bool:
         """Queue a lost request again from its copy; False when there is no copy or it was resent too often."""
-        raw = self.rt.redis.get(job_key(request_id))
+        raw = self.redis.get(job_key(request_id))
         if raw is None:
             return False
-        resends = self.rt.redis.incr(job_key(request_id) + ":resends")
-        self.rt.redis.expire(job_key(request_id) + ":resends", int(OLDEST.total_seconds()))
+        resends = self.redis.incr(job_key(request_id) + ":resends")
+        self.redis.expire(job_key(request_id) + ":resends", int(OLDEST.total_seconds()))
         if resends > MAX_RESENDS:
             return False
         job = json.loads(raw)
@@ -125,7 +125,7 @@ class Reaper:
         return True
 
     def give_up(self, request_id: str, conversation_id: str | None, source: str) -> None:
-        with self.rt.sessions() as db:
+        with self.sessions() as db:
             ended = db.execute(update(RequestRecord)
                                .where(RequestRecord.request_id == request_id, RequestRecord.finished_at.is_(None))
                                .values(finished_at=datetime.now(UTC), finish_reason="error",
@@ -137,5 +137,5 @@ class Reaper:
                     request_id)
         job = {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
                "channel": events_channel(request_id) if source == "api" else None}
-        self.rt.finish("error", {"request_id": request_id, "code": "lost", "message": LOST_MESSAGE,
+        self.finish("error", {"request_id": request_id, "code": "lost", "message": LOST_MESSAGE,
                                  "retryable": True}, job)

@@ -1,4 +1,5 @@
-"""What one worker process holds: the engine, the Socket.IO emitter, the database and Redis listeners."""
+"""What one worker process holds and shares among its requests: the engine, the publisher, Redis and SQL, the
+cancel listener, the heartbeat and the reaper. A request's own work is worker/job.py's."""
 
 from __future__ import annotations
 
@@ -6,29 +7,22 @@ import json
 import logging
 import threading
 import time
-from dataclasses import replace
-from functools import partial
-from datetime import UTC, datetime
 
 import redis
-from sqlalchemy.exc import DBAPIError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from messaging.connections import redis_client
-from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, cancelled_key,
-                                final_key, job_key, streamed_key)
-from messaging.jobs import ECHO
+from messaging.contract import CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, final_key, job_key
 from messaging.queue import visibility_timeout
-from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory
-from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams, TokenLogprob
+from worker.engine import EngineConfig, LLMEngine
 from worker.engine.sizing import default_slots
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
-from worker.publisher import Answer, Publisher, publish_event
+from worker.publisher import Publisher, publish_event
 from worker.reaper import Reaper
-from worker.prompts import render_chat
 from worker.settings import WorkerSettings
 from worker.token_json import TokenJson
 
@@ -39,10 +33,6 @@ HEARTBEAT_TTL_S = 10
 # process may still be resubscribing when the first one goes out (clients ignore the repeat).
 ECHO_WINDOW_S = 15
 ECHO_DELAY_S = 2.0
-
-
-def utc(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
 
 
 class Unavailable(Exception):
@@ -108,7 +98,7 @@ class WorkerRuntime:
                                    describe=self.tokens)
         for target in (self._listen_for_cancels, self._beat):
             threading.Thread(target=target, name=target.__name__, daemon=True).start()
-        Reaper(self, s.lost_after_s).start()
+        Reaper(self.redis, self.sessions, s.name, self.stopped, self.finish, s.lost_after_s).start()
 
     def describe(self) -> str:
         """The start line: model, device, slots, how the KV pool was sized, attention and decode graphs."""
@@ -132,36 +122,6 @@ class WorkerRuntime:
         """On the stream every web process reads: to the conversation's Socket.IO room, and to the HTTP client
         waiting for the request."""
         publish_event(self.redis, job, event, payload)
-
-    def start_answer(self, job: dict, prompt_ids: list[int], params: SamplingParams, shown: int,
-                     echo: str | None = None, service_class: str = "standard") -> Answer | None:
-        """Submit a request to the engine; its text streams out from the publisher's thread, past the first
-        `shown` characters (what clients were sent by an earlier delivery). `echo`: the prompt's text, for a
-        client that asked for it before the answer. Bad requests raise here; None when this worker is answering
-        the request already."""
-        answer = self.publisher.track(job, shown)
-        if answer is None:
-            return None
-        if echo is not None:
-            answer.echo = partial(echoed_prompt, echo, prompt_ids, tokens=self.tokens)
-            answer.echo_waits = params.prompt_logprobs is not None
-        try:
-            # Queued by acceptance time: the task threads hand requests over in no particular order.
-            self.engine.submit(job["request_id"], prompt_token_ids=prompt_ids, params=params,
-                               arrival_time=job.get("enqueued_at"), outbox=self.publisher.outbox,
-                               service_class=service_class)
-        except BaseException:
-            self.publisher.forget(job["request_id"])
-            raise
-        return answer
-
-    def streamed_chars(self, request_id: str) -> int:
-        return int(self.redis_retrying(lambda: self.redis.get(streamed_key(request_id)), "reading a stream position")
-                   or 0)
-
-    def was_cancelled(self, request_id: str) -> bool:
-        return bool(self.redis_retrying(lambda: self.redis.exists(cancelled_key(request_id)),
-                                        "checking for a cancellation"))
 
     def finish(self, event: str, payload: dict, job: dict) -> None:
         """The request's last event, retried until Redis takes it; kept a while for an API listener that was away.
@@ -198,67 +158,6 @@ class WorkerRuntime:
 
     def sql_retrying(self, action, what: str):
         return with_retries(action, transient_sql_error, self.settings.sql_retry_s, what)
-
-    def store(self, job: dict, done: RequestFinished) -> bool:
-        """Write the answer and the latency record together; False if this request was answered before.
-
-        A database that is briefly away is waited for (SQL_RETRY_S); the write is one transaction, so a retry
-        never stores half of it, and the answer's unique request id keeps a retry from storing it twice.
-        """
-        stored = self.sql_retrying(lambda: self._write(job, done), f"storing the answer to {job['request_id']}")
-        if stored:
-            self.metrics.observe(job, done)
-        return stored
-
-    def _write(self, job: dict, done: RequestFinished) -> bool:
-        with self.sessions() as db:
-            record = db.get(RequestRecord, job["request_id"])
-            if record is None:   # the web app could not write it (e.g. a direct enqueue): keep one anyway
-                record = RequestRecord(request_id=job["request_id"], conversation_id=job.get("conversation_id"),
-                                       source=job.get("source", "chat"), enqueued_at=utc(job["enqueued_at"]),
-                                       api_key=job.get("api_key"))
-                db.add(record)
-            record.model, record.worker = self.model_name, self.settings.name
-            record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(done.first_token_time)
-            record.finished_at = utc(done.finished_time)
-            record.prompt_tokens, record.completion_tokens = done.prompt_tokens, done.completion_tokens
-            record.cached_tokens, record.batch_size = done.cached_tokens, done.mean_batch_size
-            record.finish_reason, record.error = done.finish_reason, done.error
-            for role, content in job.get("tool_messages", ()) if job.get("conversation_id") else ():
-                db.add(Message(conversation_id=job["conversation_id"], role=role, content=content))
-            if job.get("conversation_id") and done.text:
-                db.add(Message(conversation_id=job["conversation_id"], role="assistant", content=done.text,
-                               request_id=job["request_id"]))
-            try:
-                db.commit()
-            except IntegrityError:   # another delivery stored its answer first
-                db.rollback()
-                return False
-        return True
-
-    def stored_outcome(self, job: dict) -> tuple[str, dict] | None:
-        """The final event of a request whose answer is already stored, or None."""
-        return self.sql_retrying(lambda: self._read_outcome(job), f"looking up {job['request_id']}")
-
-    def _read_outcome(self, job: dict) -> tuple[str, dict] | None:
-        with self.sessions() as db:
-            record = db.get(RequestRecord, job["request_id"])
-            if record is None or record.finished_at is None:
-                return None
-            answer = db.query(Message).filter_by(request_id=job["request_id"]).one_or_none()
-            return outcome(job, record.finish_reason, answer.content if answer else "", record.prompt_tokens or 0,
-                           record.completion_tokens or 0, record.error)
-
-    def fail(self, job: dict, code: str, message: str) -> None:
-        """A request that cannot be answered still ends with a record and an `error` event."""
-        now = time.time()
-        done = RequestFinished(request_id=job["request_id"], text="", token_ids=[], finish_reason="error",
-                               prompt_tokens=0, completion_tokens=0, cached_tokens=0, arrival_time=now,
-                               admitted_time=None, first_token_time=None, finished_time=now,
-                               mean_batch_size=0.0, error=message)
-        self.store(job, done)
-        self.finish("error", {"request_id": job["request_id"], "code": code, "message": message,
-                              "retryable": code not in ("prompt_too_long", "invalid_request")}, job)
 
     def begin_shutdown(self) -> None:
         self.draining.set()
@@ -330,70 +229,3 @@ def capacity(engine) -> dict:
             "kv_tokens": blocks * block_size if blocks and block_size else None, "kv_bytes": kv_bytes,
             # How the pool got its size: num_blocks, a fixed KV_CACHE_GIB, or a share of the GPU's memory.
             "kv_sizing": sizing.describe(config) if sizing else None}
-
-
-def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, completion_tokens: int,
-            error: str | None = None, extra: dict | None = None) -> tuple[str, dict]:
-    """The event that ends a request for its client: `done`, or `error` when generation failed. `extra`: the API's
-    own fields (each choice, the echoed prompt), which the chat's events never carry."""
-    if finish_reason == "error":
-        return "error", {"request_id": job["request_id"], "code": "generation_failed", "retryable": True,
-                         "message": error or "The assistant failed while answering; please send your message again."}
-    return "done", {"request_id": job["request_id"], "conversation_id": job.get("conversation_id"), "text": text,
-                    "finish_reason": finish_reason, "prompt_tokens": prompt_tokens,
-                    "completion_tokens": completion_tokens, **(extra or {})}
-
-
-def combined(ends: list[RequestFinished]) -> RequestFinished:
-    """One record of a request's choices: the first's text and timings, every choice's tokens; an error in any
-    choice is the request's."""
-    first = ends[0]
-    failed = next((e for e in ends if e.finish_reason == "error"), None)
-    return replace(first, completion_tokens=sum(e.completion_tokens for e in ends),
-                   finish_reason=failed.finish_reason if failed else first.finish_reason,
-                   error=failed.error if failed else first.error,
-                   first_token_time=min((e.first_token_time for e in ends if e.first_token_time is not None),
-                                        default=None),
-                   finished_time=max(e.finished_time for e in ends), finished=True)
-
-
-def api_fields(job: dict, ends: list[RequestFinished], tokens: TokenJson | None, prompt_text) -> dict:
-    """What an API client's final event carries beyond the chat's: each choice (text, end, tokens,
-    log-probabilities) and, for an echo, the prompt's text and log-probabilities."""
-    fields: dict = {"choices": [
-        {"index": e.index, "text": e.text, "finish_reason": e.finish_reason, "completion_tokens": e.completion_tokens,
-         **({"logprobs": [tokens(x) for x in e.logprobs]} if e.logprobs is not None and tokens else {})}
-        for e in ends]}
-    if job.get(ECHO):
-        first = ends[0]
-        fields["prompt"] = echoed_prompt(prompt_text(first.prompt_token_ids), first.prompt_token_ids,
-                                         first.prompt_logprobs, tokens)
-    return fields
-
-
-def echoed_prompt(text: str, ids: list[int], entries: list[TokenLogprob | None] | None,
-                  tokens: TokenJson | None) -> dict:
-    """An echo's prompt for its client: the text and, when asked, each prompt token's log-probabilities."""
-    prompt: dict = {"text": text}
-    if entries is not None and tokens is not None:
-        prompt["logprobs"] = [tokens(entry) if entry is not None else
-                              {**tokens.one(token, 0.0), "logprob": None, "top_logprobs": None}
-                              for token, entry in zip(ids, entries)]
-    return prompt
-
-
-def fit_to_context(engine: LLMEngine, messages: list[dict], reserve: int,
-                   tools: list[dict] | None = None) -> tuple[list[dict], list[int]]:
-    """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits.
-
-    Returns the kept messages and their rendered prompt ids (with `tools`, if any), so the template is rendered once.
-    """
-    messages = list(messages)
-    budget = engine.max_model_len - reserve
-    first = 1 if messages and messages[0].get("role") == "system" else 0
-    while len(ids := render_chat(engine, messages, tools)) > budget:
-        if len(messages) - first <= 1:
-            raise InvalidRequestError("This message is too long for the assistant to answer; "
-                                      "shorten it or split it into several messages.")
-        del messages[first]
-    return messages, ids

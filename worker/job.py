@@ -1,0 +1,260 @@
+"""One request from the queue to its stored answer: its prompt, tool rounds, streaming, record, cancel and retry."""
+
+from __future__ import annotations
+
+import logging
+import time
+from datetime import UTC, datetime
+from functools import partial
+
+from celery.exceptions import Reject
+from sqlalchemy.exc import IntegrityError
+
+from messaging.contract import cancelled_key, streamed_key
+from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable, service_class
+from models import Message, RequestRecord
+from structured import Structure, StructureError, Tool, ToolError
+from worker import assistant
+from worker.ends import api_fields, combined, echoed_prompt, outcome
+from worker.engine import InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams
+from worker.prompts import completion_ids, fit_to_context
+from worker.publisher import Answer
+from worker.runtime import Unavailable, WorkerRuntime
+
+log = logging.getLogger(__name__)
+
+# Errors the client caused: they say what to change, and sending the request again does not help.
+CLIENT_ERRORS = ("prompt_too_long", "invalid_request")
+
+
+def utc(ts: float | None) -> datetime | None:
+    return None if ts is None else datetime.fromtimestamp(ts, tz=UTC)
+
+
+def engine_params(job: dict) -> dict:
+    """The job's params the engine's SamplingParams takes (the service class travels beside them)."""
+    return {k: v for k, v in job.get("params", {}).items() if k != "service_class"}
+
+
+def sampling_params(job: dict) -> SamplingParams:
+    params = SamplingParams(**engine_params(job))
+    if job.get(STRUCTURE) is not None:
+        params.structure = Structure.from_json(job[STRUCTURE])
+    params.validate()
+    return params
+
+
+def refusal_code(exc: Exception) -> str:
+    return "prompt_too_long" if "too long" in str(exc) else "invalid_request"
+
+
+class Job:
+    """A queued request as this worker answers it. `rt` holds what the process shares (engine, Redis, SQL,
+    publisher); everything about this one request happens here."""
+
+    def __init__(self, rt: WorkerRuntime, spec: dict) -> None:
+        self.rt, self.spec = rt, spec
+        self.request_id: str = spec["request_id"]
+
+    def run(self) -> None:
+        """The Celery task's work. Raises Reject (the request goes back to the queue) while the worker shuts down,
+        or while Redis or the database stay away."""
+        if self.rt.draining.is_set():
+            raise Reject("this worker is shutting down", requeue=True)
+        try:
+            self.answer()
+        except Unavailable as exc:
+            # Never acked as done: the request is answered again (or its stored answer shown) once both are back.
+            log.warning("handing %s back to the queue: %s", self.request_id, exc)
+            raise Reject(str(exc), requeue=True) from exc
+
+    def answer(self) -> None:
+        if replayable(self.spec) and (stored := self.stored_outcome()) is not None:   # answered before: show it again
+            log.info("request %s was answered before; not generating again", self.request_id)
+            self.finish(*stored)
+            return
+        if self.was_cancelled():
+            self.fail("cancelled", "The request was cancelled before it started.")
+            return
+        # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
+        # so the customer's stream resumes after what an earlier delivery already showed.
+        shown = self.streamed_chars()
+        pending = self.with_tools(shown) if assistant.serves(self.spec) else self.submit(shown)
+        if pending is not None:
+            self.conclude(pending)
+
+    # ---- generating ---------------------------------------------------------------------------------
+
+    def submit(self, shown: int) -> Answer | None:
+        """The answer under way, or None when the request was answered with an error (or is already running)."""
+        job, engine = self.spec, self.rt.engine
+        try:
+            params = sampling_params(job)
+            if job.get(PROMPT) is not None:   # a completion: the prompt as it is
+                prompt_ids = completion_ids(engine, job[PROMPT])
+            else:
+                # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
+                reserve = min(params.max_new_tokens, engine.max_model_len // 4)
+                _, prompt_ids = fit_to_context(engine, job["messages"], reserve=reserve, tools=job.get(TOOLS))
+            echo = self.prompt_text(prompt_ids) if job.get(ECHO) else None
+            return self.start(prompt_ids, params, shown, echo)
+        except (InvalidRequestError, InvalidParamsError, StructureError) as exc:
+            if "already in use" in str(exc):   # the same request is being answered in this process
+                return None
+            self.fail(refusal_code(exc), str(exc))
+            return None
+
+    def start(self, prompt_ids: list[int], params: SamplingParams, shown: int, echo: str | None = None) -> Answer | None:
+        """Submit the request to the engine; its text streams out from the publisher's thread, past the first
+        `shown` characters (what clients were sent by an earlier delivery). `echo`: the prompt's text, for a
+        client that asked for it before the answer. Bad requests raise here; None when this worker is answering
+        the request already."""
+        publisher = self.rt.publisher
+        answer = publisher.track(self.spec, shown)
+        if answer is None:
+            return None
+        if echo is not None:
+            answer.echo = partial(echoed_prompt, echo, prompt_ids, tokens=self.rt.tokens)
+            answer.echo_waits = params.prompt_logprobs is not None
+        try:
+            # Queued by acceptance time: the task threads hand requests over in no particular order.
+            self.rt.engine.submit(self.request_id, prompt_token_ids=prompt_ids, params=params,
+                                  arrival_time=self.spec.get("enqueued_at"), outbox=publisher.outbox,
+                                  service_class=service_class(self.spec))
+        except BaseException:
+            publisher.forget(self.request_id)
+            raise
+        return answer
+
+    def with_tools(self, shown: int) -> Answer | None:
+        """A chat message whose assistant has tools: the tool rounds run here, and only the text meant for the
+        customer streams out. None when the request was answered with an error or is running already."""
+        job, publisher = self.spec, self.rt.publisher
+        try:
+            tools = [Tool.from_openai(spec, f"tools[{i}]") for i, spec in enumerate(job["tools"])]
+            base = SamplingParams(**engine_params(job))
+            base.validate()
+            first = assistant.first_structure(tools, job.get("tool_choice") or "auto")
+        except (ToolError, InvalidParamsError, TypeError) as exc:
+            self.fail("invalid_request", str(exc))
+            return None
+        answer = publisher.track(job, shown)
+        if answer is None:
+            return None
+        relay = assistant.Relay(publisher.outbox, self.request_id)
+        try:
+            done = assistant.converse(self.rt, job, tools, base, first, relay, self.was_cancelled)
+        except (InvalidRequestError, InvalidParamsError) as exc:
+            publisher.forget(self.request_id)
+            self.fail(refusal_code(exc), str(exc))
+            return None
+        except BaseException:   # interrupted: free the slot rather than generate for nobody
+            self.rt.engine.abort(self.request_id)
+            publisher.forget(self.request_id)
+            raise
+        relay.end(done)
+        return answer
+
+    def conclude(self, pending: Answer) -> None:
+        """Wait while the publisher streams the text, then store the answer and send its end."""
+        try:
+            pending.wait()
+        except BaseException:   # interrupted while waiting: free the slot rather than generate for nobody
+            self.rt.engine.abort(self.request_id)
+            raise
+        ends = pending.ordered()
+        last = combined(ends)
+        if last.finish_reason == "error" and self.rt.handing_back.is_set():
+            log.info("handing %s back to the queue", self.request_id)
+            raise Reject("the worker's shutdown grace period ended", requeue=True)
+        # False when another delivery stored (and showed) this answer first; an answer that is not replayed from
+        # SQL was generated again, the same, and is shown again.
+        if self.store(last) or not replayable(self.spec):
+            extra = api_fields(self.spec, ends, self.rt.tokens, self.prompt_text) if self.spec.get("channel") \
+                else None
+            self.finish(*outcome(self.spec, last.finish_reason, last.text, last.prompt_tokens,
+                                 last.completion_tokens, extra=extra))
+
+    def prompt_text(self, ids: list[int]) -> str:
+        """A completion's prompt as its client sent it, or its ids decoded."""
+        prompt = self.spec.get(PROMPT)
+        return prompt if isinstance(prompt, str) else self.rt.engine.tokenizer.decode(ids)
+
+    # ---- what Redis knows of it ---------------------------------------------------------------------
+
+    def streamed_chars(self) -> int:
+        rt = self.rt
+        return int(rt.redis_retrying(lambda: rt.redis.get(streamed_key(self.request_id)), "reading a stream position")
+                   or 0)
+
+    def was_cancelled(self) -> bool:
+        rt = self.rt
+        return bool(rt.redis_retrying(lambda: rt.redis.exists(cancelled_key(self.request_id)),
+                                      "checking for a cancellation"))
+
+    def finish(self, event: str, payload: dict) -> None:
+        self.rt.finish(event, payload, self.spec)
+
+    def fail(self, code: str, message: str) -> None:
+        """A request that cannot be answered still ends with a record and an `error` event."""
+        now = time.time()
+        done = RequestFinished(request_id=self.request_id, text="", token_ids=[], finish_reason="error",
+                               prompt_tokens=0, completion_tokens=0, cached_tokens=0, arrival_time=now,
+                               admitted_time=None, first_token_time=None, finished_time=now,
+                               mean_batch_size=0.0, error=message)
+        self.store(done)
+        self.finish("error", {"request_id": self.request_id, "code": code, "message": message,
+                              "retryable": code not in CLIENT_ERRORS})
+
+    # ---- its record ---------------------------------------------------------------------------------
+
+    def store(self, done: RequestFinished) -> bool:
+        """Write the answer and the latency record together; False if this request was answered before.
+
+        A database that is briefly away is waited for (SQL_RETRY_S); the write is one transaction, so a retry
+        never stores half of it, and the answer's unique request id keeps a retry from storing it twice.
+        """
+        stored = self.rt.sql_retrying(lambda: self._write(done), f"storing the answer to {self.request_id}")
+        if stored:
+            self.rt.metrics.observe(self.spec, done)
+        return stored
+
+    def _write(self, done: RequestFinished) -> bool:
+        job, rt = self.spec, self.rt
+        with rt.sessions() as db:
+            record = db.get(RequestRecord, self.request_id)
+            if record is None:   # the web app could not write it (e.g. a direct enqueue): keep one anyway
+                record = RequestRecord(request_id=self.request_id, conversation_id=job.get("conversation_id"),
+                                       source=job.get("source", "chat"), enqueued_at=utc(job["enqueued_at"]),
+                                       api_key=job.get("api_key"))
+                db.add(record)
+            record.model, record.worker = rt.model_name, rt.settings.name
+            record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(done.first_token_time)
+            record.finished_at = utc(done.finished_time)
+            record.prompt_tokens, record.completion_tokens = done.prompt_tokens, done.completion_tokens
+            record.cached_tokens, record.batch_size = done.cached_tokens, done.mean_batch_size
+            record.finish_reason, record.error = done.finish_reason, done.error
+            for role, content in job.get("tool_messages", ()) if job.get("conversation_id") else ():
+                db.add(Message(conversation_id=job["conversation_id"], role=role, content=content))
+            if job.get("conversation_id") and done.text:
+                db.add(Message(conversation_id=job["conversation_id"], role="assistant", content=done.text,
+                               request_id=self.request_id))
+            try:
+                db.commit()
+            except IntegrityError:   # another delivery stored its answer first
+                db.rollback()
+                return False
+        return True
+
+    def stored_outcome(self) -> tuple[str, dict] | None:
+        """The final event of a request whose answer is already stored, or None."""
+        return self.rt.sql_retrying(self._read_outcome, f"looking up {self.request_id}")
+
+    def _read_outcome(self) -> tuple[str, dict] | None:
+        with self.rt.sessions() as db:
+            record = db.get(RequestRecord, self.request_id)
+            if record is None or record.finished_at is None:
+                return None
+            answer = db.query(Message).filter_by(request_id=self.request_id).one_or_none()
+            return outcome(self.spec, record.finish_reason, answer.content if answer else "",
+                           record.prompt_tokens or 0, record.completion_tokens or 0, record.error)

@@ -87,6 +87,18 @@ def test_the_token_that_would_extend_a_repeat_loses_multiplier_times_base_to_the
     torch.testing.assert_close(out[0], want)
 
 
+def test_an_answer_only_window_lets_the_answer_quote_its_prompt() -> None:
+    logits = torch.zeros(1, VOCAB)
+    prompt, answer = [1, 2, 3, 4, 5], [1, 2, 3]
+    whole = apply_processors(logits, [dry()], [prompt + answer], prompt_lens=[len(prompt)])
+    assert float(whole[0, 4]) == pytest.approx(-1.4)   # the prompt counts, as llama.cpp's does
+    own = apply_processors(logits, [dry(dry_include_prompt=False)], [prompt + answer], prompt_lens=[len(prompt)])
+    assert torch.equal(own[0], torch.zeros(VOCAB))
+    looping = prompt + [6, 7, 8, 6, 7]
+    own = apply_processors(logits, [dry(dry_include_prompt=False)], [looping], prompt_lens=[len(prompt)])
+    assert float(own[0, 8]) == pytest.approx(-0.8)     # the answer's own repeat still counts
+
+
 def test_sequence_breakers_end_the_run_that_is_counted() -> None:
     logits = torch.zeros(1, VOCAB)
     history = [1, 2, 3, 4, 5, 1, 2, 3]
@@ -250,6 +262,7 @@ def test_breaker_strings_become_the_tokenizers_ids(tokenizer) -> None:
     dict(dry_allowed_length=0), dict(dry_allowed_length=1.5), dict(dry_penalty_last_n=-2),
     dict(dry_sequence_breakers=["\n", ""]), dict(dry_sequence_breakers=["x" * 41]),
     dict(dry_sequence_breakers=[str(i) for i in range(17)]), dict(dry_sequence_breakers=[3]),
+    dict(dry_include_prompt="no"),
 ])
 def test_bad_dry_settings_are_refused_with_the_rule(bad: dict) -> None:
     name = next(iter(bad))

@@ -80,6 +80,7 @@ class DryRows:
     max_exponent: torch.Tensor       # float32 [D, 1]: the exponent's cap, inf where the base is 1
     allowed_host: list[int]
     last_n: list[int]                # the window in tokens, -1 for the whole context
+    include_prompt: list[bool]       # False: the window starts at the answer
     tables: torch.Tensor             # bool [S, vocab + 1]: each breaker set's heads (the last column: padding)
     table_of: torch.Tensor           # int64 [D, 1]: the set of each row
     sequences: list[tuple[torch.Tensor, torch.Tensor]]   # (int64 ids [m], bool [D, 1] rows that use them)
@@ -122,6 +123,7 @@ class DryRows:
                                 **column)[:, None],
             allowed_host=[p.dry_allowed_length for p in dry],
             last_n=[p.dry_penalty_last_n for p in dry],
+            include_prompt=[p.dry_include_prompt for p in dry],
             tables=tables.to(device),
             table_of=upload(table_of, torch.int64, device)[:, None],
             sequences=sequences,
@@ -175,13 +177,16 @@ def since_breaker(ids: torch.Tensor, first: torch.Tensor, last: torch.Tensor, dr
     return last - torch.maximum(last_end, first - 1)
 
 
-def dry_penalise_(padded: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], dry: DryRows) -> None:
+def dry_penalise_(padded: torch.Tensor, ids: torch.Tensor, lengths: Sequence[int], dry: DryRows,
+                  prompt_lens: Sequence[int] | None = None) -> None:
     """DRY in place on [rows, vocab + 1] scores, for the DRY rows only. ids: the batch's histories ([rows, width],
-    padded; lengths: each history's length). A token that would extend a run of n >= allowed tokens that already
+    padded; lengths: each history's length; prompt_lens: where each answer starts, None: all answer). A token that would extend a run of n >= allowed tokens that already
     occurred in the window loses multiplier * base ** (n - allowed) (the exponent capped so the power stays
     finite); a token that would extend several runs loses the longest one's."""
     sizes = [lengths[r] for r in dry.rows]
     firsts = [max(0, n - w) if w > 0 else 0 for n, w in zip(sizes, dry.last_n)]
+    if prompt_lens is not None:
+        firsts = [f if whole else max(f, prompt_lens[r]) for f, whole, r in zip(firsts, dry.include_prompt, dry.rows)]
     if all(n - f <= a for n, f, a in zip(sizes, firsts, dry.allowed_host)):
         return   # no window holds a run longer than its allowed length
     lo, hi = min(firsts), max(sizes)

@@ -396,7 +396,7 @@ def processed(logits: torch.Tensor, rows: RowParams, history: TokenHistory,
         count_penalise_(padded, ids, rows.presence, rows.frequency)
     if rows.dry is not None:
         ids = (dry_history or TokenHistory()).update(histories, rows.dry.wanted, vocab, logits.device, pending)
-        dry_penalise_(padded, ids, [len(h) for h in histories], rows.dry)
+        dry_penalise_(padded, ids, [len(h) for h in histories], rows.dry, prompt_lens)
     return scores
 
 

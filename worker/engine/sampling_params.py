@@ -56,6 +56,7 @@ class SamplingParams:
     dry_allowed_length: int = 2
     dry_penalty_last_n: int = -1
     dry_sequence_breakers: tuple[str, ...] = DEFAULT_BREAKERS
+    dry_include_prompt: bool = True  # False: runs are looked for in the answer only, so quoting the prompt is free
 
     def __post_init__(self) -> None:
         # Clients send JSON, so a single stop string or a list is the common shape.
@@ -160,6 +161,8 @@ class SamplingParams:
                    "must be an integer >= 1 (the longest run repeated without a penalty)")
         _check_int("dry_penalty_last_n", self.dry_penalty_last_n, lambda v: v >= -1,
                    "must be an integer >= -1 (-1 = the whole context, 0 = DRY off)")
+        if not isinstance(self.dry_include_prompt, bool):
+            raise InvalidParamsError(f"dry_include_prompt must be true or false; got {self.dry_include_prompt!r}")
         breakers = self.dry_sequence_breakers
         if not isinstance(breakers, tuple) or len(breakers) > MAX_DRY_BREAKERS or not all(
                 isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_LENGTH for b in breakers):

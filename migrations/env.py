@@ -9,7 +9,7 @@ from alembic import context
 from alembic.autogenerate.api import AutogenContext
 from sqlalchemy import Connection, make_url, text
 
-from models import Base, UTCDateTime
+from models import Base, UTCDateTime, help_articles
 from models.db import default_database_url, make_engine
 
 config = context.config
@@ -42,6 +42,8 @@ def configure_options(dialect_name: str) -> dict[str, Any]:
         # SQLite cannot ALTER most things; batch mode rebuilds the table instead.
         "render_as_batch": dialect_name == "sqlite",
         "compare_type": True,
+        # The help centre's full-text search objects are the migration's own, not the models'.
+        "include_object": help_articles.modelled,
     }
 
 

@@ -1,8 +1,9 @@
 """SQLAlchemy models shared by the web app and the worker: conversations, messages, latency records, API keys,
-orders."""
+orders, help articles."""
 
 from models.api_keys import ApiKey
 from models.base import Base, UTCDateTime, utcnow
+from models.help_articles import HelpArticle
 from models.chat import ROLES, Conversation, Message, new_conversation_id
 from models.orders import ORDER_STATUSES, Order
 from models.records import FINISH_REASONS, SOURCES, RequestRecord
@@ -17,6 +18,7 @@ __all__ = [
     "Base",
     "Conversation",
     "DirtyMinute",
+    "HelpArticle",
     "JobState",
     "KeyUsage",
     "LatencyHistogram",

@@ -13,7 +13,7 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import Engine, func, inspect, select, text
 from sqlalchemy.exc import IntegrityError, StatementError
 
-from models import ORDER_STATUSES, ApiKey, Base, Conversation, Message, Order, RequestRecord, demo_orders
+from models import ORDER_STATUSES, ApiKey, Base, Conversation, Message, Order, RequestRecord, demo_orders, help_articles
 from models.db import default_database_url, make_engine, make_session_factory, upgrade
 
 EXPECTED_INDEXES = {
@@ -67,7 +67,8 @@ def test_upgrade_creates_schema_matching_models(db_url: str, tmp_path, monkeypat
 
         with engine.connect() as conn:
             assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == head_revision()
-            context = MigrationContext.configure(conn, opts={"compare_type": True})
+            context = MigrationContext.configure(conn, opts={"compare_type": True,
+                                                             "include_object": help_articles.modelled})
             diff = compare_metadata(context, Base.metadata)
         assert diff == [], f"models and migrations disagree: {diff}"
     finally:

@@ -9,7 +9,7 @@ import uuid
 from flask import Blueprint, current_app, render_template, request, session
 from flask_socketio import ConnectionRefusedError, join_room
 
-from messaging import chat_tools
+from messaging import chat_tools, grounding
 from models import ROLES, Conversation, Message, RequestRecord, new_conversation_id
 
 from . import limits, queue
@@ -188,6 +188,8 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, rece
                             source="chat", conversation_id=conv.id, received_at=received_at)
         if cfg["CHAT_TOOLS"]:   # the worker runs these tools itself and answers with their results
             job.update(tools=cfg["CHAT_TOOLS"], tool_choice=cfg["CHAT_TOOL_CHOICE"])
+        if cfg["CHAT_GROUNDING"]:   # the worker looks up the orders and articles the message names first
+            job[grounding.JOB_FIELD] = cfg["CHAT_GROUNDING"]
         db.add(Message(conversation_id=conv.id, role="user", content=text))
         db.add(queue.record_for(job))
         db.commit()

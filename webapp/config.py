@@ -9,7 +9,7 @@ from pathlib import Path
 
 from werkzeug.security import generate_password_hash
 
-from messaging import chat_tools, classes
+from messaging import chat_tools, classes, grounding
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +157,17 @@ def load() -> dict:
         "TOP_P": float(os.environ.get("TOP_P", "0.9")),
         **chat_tools_settings(),
         **class_settings(),
+        "CHAT_GROUNDING": grounding_settings(),
     }
+
+
+def grounding_settings() -> dict | None:
+    """What the worker looks up before a chat answer (CHAT_GROUNDING, on by default), as the job carries it."""
+    try:
+        return grounding.settings(os.environ.get("CHAT_GROUNDING"), os.environ.get("ORDER_NUMBER_PATTERN"),
+                                  os.environ.get("SUPPORT_CONTACT")).to_job()
+    except ValueError as exc:
+        raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
 
 
 def class_settings() -> dict:

@@ -1,5 +1,6 @@
-"""The chat assistant's tool rounds: generate; run the tools it calls here, against the shop's data; feed their
-results back; answer. Only the text meant for the customer streams out; the whole exchange is stored (worker/job.py)."""
+"""The chat assistant's tool rounds: look up what the customer's message names (worker/grounding.py); generate; run
+the tools it calls here, against the shop's data; feed their results back; answer. Only the text meant for the
+customer streams out; the whole exchange is stored (worker/job.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from dataclasses import replace
 from typing import Any
 
 from messaging.chat_tools import CALL_ROLE, LOOKUP_ORDER, RESULT_ROLE, stored_call
+from messaging.grounding import JOB_FIELD, Grounding
 from messaging.jobs import service_class
 from structured import Structure, StreamParser, Tool, ToolCall
 from structured.tools import Delta, forced
 from worker import order_tool
+from worker.grounding import Grounded, ground
 from worker.engine import Event, RequestFinished, SamplingParams, TokenDelta
 from worker.prompts import fit_to_context
 from worker.runtime import WorkerRuntime
@@ -30,9 +33,22 @@ EXECUTORS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {LOOKUP_
 
 
 def serves(job: dict) -> bool:
-    """A chat message whose assistant has tools: this module answers it (an API request's tools go back to its
-    client instead)."""
-    return job.get("source") == "chat" and bool(job.get("tools"))
+    """A chat message whose assistant has tools or grounded answers: this module answers it (an API request's tools
+    go back to its client instead)."""
+    return job.get("source") == "chat" and (bool(job.get("tools")) or bool(job.get(JOB_FIELD)))
+
+
+def grounding(job: dict) -> Grounding | None:
+    """The job's grounding settings; TypeError for a job that carries them wrong."""
+    return Grounding.from_job(job.get(JOB_FIELD))
+
+
+def look_up(rt: WorkerRuntime, job: dict, settings: Grounding) -> Grounded:
+    """The lookups the customer's newest message calls for, read from SQL (waiting out a database briefly away)."""
+    def read() -> Grounded:
+        with rt.sessions() as db:
+            return ground(db, job["messages"], settings)
+    return rt.sql_retrying(read, "looking up the orders and articles a message names")
 
 
 def first_structure(tools: list[Tool], choice: str) -> Structure | None:
@@ -51,7 +67,9 @@ class Relay:
         self.parts: list[str] = []
 
     def send(self, deltas: list[Delta]) -> bool:
-        text = "".join(d.content for d in deltas if d.content)
+        return self.show("".join(d.content for d in deltas if d.content))
+
+    def show(self, text: str) -> bool:
         if text:
             self.parts.append(text)
             self.outbox.put([TokenDelta(self.request_id, text, [])])
@@ -66,15 +84,20 @@ class Relay:
 
 
 def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingParams, first: Structure | None,
-             relay: Relay, was_cancelled: Callable[[], bool]) -> RequestFinished:
+             relay: Relay, was_cancelled: Callable[[], bool], grounded: Grounded | None = None,
+             lead: bool = False) -> RequestFinished:
     """Generate until an answer calls no tool (at most MAX_TOOL_ROUNDS rounds of calls); the calls and results go
     in `job["tool_messages"]` for the answer's record, and one RequestFinished sums the generations. A cancel
-    found between rounds (`was_cancelled`) ends it."""
-    rid, messages, specs = job["request_id"], list(job["messages"]), job["tools"]
+    found between rounds (`was_cancelled`) ends it. The lookups in `grounded` come first; with `lead`, the first
+    answer the customer sees starts with their sentence."""
+    rid, messages, specs = job["request_id"], list(job["messages"]), job.get("tools") or []
     offered = {t.name for t in tools}
     rounds: list[RequestFinished] = []
     visible_from: RequestFinished | None = None   # the first generation whose text the customer saw
     exchange: list[tuple[str, str]] = []
+    if grounded is not None:
+        messages, exchange = grounded.messages(messages), grounded.stored()
+    lead_text = grounded.lead if grounded is not None and lead else ""
     cancelled = False
     for n in range(MAX_TOOL_ROUNDS + 1):
         if n and was_cancelled():   # stopped while a tool ran
@@ -84,7 +107,12 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         params = replace(base, structure=structure,
                          max_new_tokens=max(base.max_new_tokens, CALL_TOKENS) if structure else base.max_new_tokens)
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
-        _, ids = fit_to_context(rt.engine, messages, reserve, tools=specs)
+        led = bool(lead_text) and structure is None   # the answer starts with the facts; the model goes on from there
+        lead_ids = rt.engine.tokenizer(lead_text + " ", add_special_tokens=False)["input_ids"] if led else []
+        _, ids = fit_to_context(rt.engine, messages, reserve + len(lead_ids), tools=specs)
+        if led:
+            relay.show(lead_text + " ")
+            ids, lead_text = ids + lead_ids, ""
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
         stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"),
                                   service_class=service_class(job))
@@ -92,10 +120,12 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         last: RequestFinished | None = None
         for event in stream:
             if isinstance(event, TokenDelta):
-                seen |= relay.send(parser.feed(event.text))
+                # Without tools nothing the model writes is a call: its text goes to the customer as it is.
+                seen |= relay.send(parser.feed(event.text)) if tools else relay.show(event.text)
             elif isinstance(event, RequestFinished):
                 last = event
-        seen |= relay.send(parser.finish())
+        if tools:
+            seen |= relay.send(parser.finish())
         rounds.append(last)
         if seen and visible_from is None:
             visible_from = last

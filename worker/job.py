@@ -127,11 +127,13 @@ class Job:
         return answer
 
     def with_tools(self, shown: int) -> Answer | None:
-        """A chat message whose assistant has tools: the tool rounds run here, and only the text meant for the
-        customer streams out. None when the request was answered with an error or is running already."""
+        """A chat message whose assistant has tools or grounded answers: the lookups and tool rounds run here, and
+        only the text meant for the customer streams out. None when the request was answered with an error or is
+        running already."""
         job, publisher = self.spec, self.rt.publisher
         try:
-            tools = [Tool.from_openai(spec, f"tools[{i}]") for i, spec in enumerate(job["tools"])]
+            tools = [Tool.from_openai(spec, f"tools[{i}]") for i, spec in enumerate(job.get("tools") or [])]
+            grounding = assistant.grounding(job)
             base = SamplingParams(**engine_params(job))
             base.validate()
             first = assistant.first_structure(tools, job.get("tool_choice") or "auto")
@@ -143,7 +145,9 @@ class Job:
             return None
         relay = assistant.Relay(publisher.outbox, self.request_id)
         try:
-            done = assistant.converse(self.rt, job, tools, base, first, relay, self.was_cancelled)
+            grounded = assistant.look_up(self.rt, job, grounding) if grounding else None
+            done = assistant.converse(self.rt, job, tools, base, first, relay, self.was_cancelled, grounded,
+                                      lead=grounding is not None and grounding.mode == "lead")
         except (InvalidRequestError, InvalidParamsError) as exc:
             publisher.forget(self.request_id)
             self.fail(refusal_code(exc), str(exc))

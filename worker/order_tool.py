@@ -23,6 +23,11 @@ def lookup_order(db: Session, arguments: dict[str, Any]) -> dict[str, Any]:
         return {"error": NO_SUCH_ORDER, "order_number": number,
                 "message": f"There is no order {number}; ask the customer to check the number (like NW-10042, "
                            "in the order confirmation email)."}
+    return details(order)
+
+
+def details(order: Order) -> dict[str, Any]:
+    """What the model may know of an order: status, items, shipping, dates; never who placed it."""
     return {"order_number": order.order_number, "status": order.status, "items": order.items,
             "carrier": order.carrier, "tracking_number": order.tracking_number,
             "placed": order.placed_at.date().isoformat(), "updated": order.updated_at.date().isoformat()}

@@ -67,7 +67,7 @@ def api_line(database_url: str) -> str:
 
 
 def main() -> int:
-    from models import demo_orders
+    from models import demo_orders, help_centre
     from models.db import default_database_url, upgrade
     from worker.local_redis import port_of, start_redis
 
@@ -76,8 +76,9 @@ def main() -> int:
     database_url_given = bool(env.get("DATABASE_URL"))
     env.setdefault("DATABASE_URL", default_database_url())
     upgrade(env["DATABASE_URL"])
-    if demo_orders.wanted(database_url_given):   # the order-status tool's demo rows (DEMO_ORDERS)
+    if demo_orders.wanted(database_url_given):   # the demo orders and help articles (DEMO_ORDERS)
         demo_orders.seed_url(env["DATABASE_URL"])
+        help_centre.seed_url(env["DATABASE_URL"])
     redis_proc = None
     if "REDIS_URL" not in env:
         redis_proc, env["REDIS_URL"] = start_redis(RUN_DIR / "redis")

@@ -54,3 +54,30 @@ def test_ask_watch_it_stream_reload_and_see_the_history(browser, long_answers_ur
         page.screenshot(path=str(ARTIFACTS / "chat-reloaded.png"))
     finally:
         page.close()
+
+
+def test_an_order_lookup_end_to_end_in_the_page(browser, stack, db):
+    """The customer types an order number; the page shows the order's status from the shop's data, as the answer's
+    first sentence, and a reload shows the same conversation without the lookup behind it."""
+    from models import demo_orders
+
+    with db() as s:
+        demo_orders.seed(s)
+    page = browser.new_page(viewport={"width": 1100, "height": 800})
+    try:
+        page.goto(stack.web_urls[0])
+        page.wait_for_selector('#status[data-state="connected"]')
+        page.fill("#input", "Where is my order NW-10043?")
+        page.press("#input", "Enter")
+        answer = page.wait_for_selector('#messages [data-role="assistant"][data-finish-reason]', timeout=60_000)
+        text = answer.query_selector(".msg__text").text_content()
+        assert text.startswith("Order NW-10043 is out for delivery (status: out for delivery): 1 x Walnut chopping "
+                               "board. Carrier: UPS, tracking number 1Z999AA10123456784."), text
+        page.screenshot(path=str(ARTIFACTS / "chat-order.png"))
+        page.reload()
+        page.wait_for_selector('#messages [data-role="assistant"]')
+        roles = page.eval_on_selector_all("#messages [data-role]", "els => els.map(e => e.dataset.role)")
+        assert roles == ["user", "assistant"]
+        assert page.text_content('#messages [data-role="assistant"] .msg__text').startswith("Order NW-10043")
+    finally:
+        page.close()

@@ -52,7 +52,8 @@ def test_the_second_message_sees_the_first(client, db):
     with db() as s:
         roles = [m.role for m in s.query(Message).filter_by(conversation_id=first["conversation_id"])
                  .order_by(Message.id)]
-    assert roles == ["user", "assistant", "user", "assistant"]
+    # Each answer follows the lookups made for its question (the help centre's search), stored before it.
+    assert [r for r in roles if r in ("user", "assistant")] == ["user", "assistant", "user", "assistant"]
 
 
 def test_clients_on_two_web_processes_each_get_their_own_answers(stack):

@@ -21,8 +21,8 @@ QUESTION = "Where is my order? It has not arrived yet."
 @pytest.fixture(scope="module")
 def tools_web(stack):
     """A web process whose assistant must look an order up before it answers (the tiny model calls no tool by
-    itself)."""
-    return stack.web_with(CHAT_TOOLS="orders", CHAT_TOOL_CHOICE="lookup_order")
+    itself); no grounded lookups, so the model's own call is the only one."""
+    return stack.web_with(CHAT_TOOLS="orders", CHAT_TOOL_CHOICE="lookup_order", CHAT_GROUNDING="off")
 
 
 def ask(url: str, text: str, client: ChatClient | None = None, conversation_id: str | None = None) -> dict:
@@ -105,7 +105,7 @@ def test_the_worker_looks_the_order_up_feeds_the_result_back_and_stores_the_exch
 def test_with_auto_a_model_that_calls_no_tool_answers_in_one_generation(stack, db, tokenizer):
     """The default choice: the tool is offered (described in the system prompt for SmolLM2's template), the tiny
     model writes no call, and its text is the answer; nothing but the turns is stored."""
-    done = ask(stack.web_with(CHAT_TOOLS="orders"), QUESTION)
+    done = ask(stack.web_with(CHAT_TOOLS="orders", CHAT_GROUNDING="off"), QUESTION)
     with db() as s:
         roles = [m.role for m in s.query(Message).filter_by(conversation_id=done["conversation_id"])
                  .order_by(Message.id)]

@@ -159,7 +159,7 @@ def ask(engine, sessions, case: Case, mode: str, params, seed: int) -> Answered:
     from worker.assistant import Relay, converse
     from worker.grounding import ground
 
-    rt = SimpleNamespace(engine=engine, was_cancelled=lambda rid: False)
+    rt = SimpleNamespace(engine=engine)
     settings = Grounding(mode=mode)
     messages = [{"role": "system", "content": system_prompt()}]
     out = Answered(case)
@@ -174,7 +174,8 @@ def ask(engine, sessions, case: Case, mode: str, params, seed: int) -> Answered:
                 grounded = ground(db, messages, settings)
         out.ground_s = time.perf_counter() - started
         relay = Relay(queue.Queue(), rid)
-        done = converse(rt, job, [], replace(params, seed=seed + n), None, relay, grounded, lead=mode == "lead")
+        done = converse(rt, job, [], replace(params, seed=seed + n), None, relay, lambda: False, grounded,
+                        lead=mode == "lead")
         out.texts.append(relay.text)
         messages.append({"role": "assistant", "content": relay.text})
         out.finish_reason, out.tokens, out.ttft_s = done.finish_reason, done.completion_tokens, done.ttft or 0.0
@@ -237,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=float(os.environ.get("TEMPERATURE", "0.7")))
     p.add_argument("--top-p", type=float, default=float(os.environ.get("TOP_P", "0.9")))
     p.add_argument("--max-new-tokens", type=int, default=int(os.environ.get("MAX_NEW_TOKENS", "256")))
+    p.add_argument("--dry-multiplier", type=float, default=0.0,
+                   help="DRY repetition guard (0: off); runs are looked for in the answer only")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--database-url", default=None, help="default: a fresh SQLite file; a PostgreSQL URL works too")
     p.add_argument("--out", default="instance/answers.md", help="where the answers are written")
@@ -244,7 +247,8 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
 
     models = args.model or [None, *([os.environ["MODEL"]] if os.environ.get("MODEL") else [])]
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_new_tokens=args.max_new_tokens,
+                            dry_multiplier=args.dry_multiplier, dry_include_prompt=False)
     tmp = tempfile.TemporaryDirectory()
     url = args.database_url or f"sqlite:///{tmp.name}/answers.db"
     upgrade(url)
@@ -258,6 +262,7 @@ def main(argv: list[str] | None = None) -> None:
     out.write_text(f"# bench.answers {time.strftime('%Y-%m-%d %H:%M')}\n")
     print(f"{len(CASES)} conversations ({sum(c.held_out for c in CASES)} held out), "
           f"temperature {args.temperature}, top_p {args.top_p}, max_new_tokens {args.max_new_tokens}, "
+          f"DRY multiplier {args.dry_multiplier}, "
           f"database {sql.dialect.name}")
     header = ["model", "weights", "mode", "set", "status", "not found", "figures", "don't know", "no leak", "no loop",
               "within limit", "all", "tokens"]
@@ -265,12 +270,12 @@ def main(argv: list[str] | None = None) -> None:
     for model in models:
         for weights in args.weights.split(","):
             engine = LLMEngine.launch(lambda: LLMEngine(*load_model(model, weights=weights),
-                                                        EngineConfig(max_num_seqs=16)))
+                                                        EngineConfig(max_num_seqs=len(CASES))))
             label = f"{Path(model).name if model else 'SmolLM2-135M-Instruct'} {weights}"
             try:
                 for mode in args.modes.split(","):
                     started = time.perf_counter()
-                    answered = run_all(engine, sessions, list(CASES), mode, params, args.seed, 16)
+                    answered = run_all(engine, sessions, list(CASES), mode, params, args.seed, len(CASES))
                     write(out, label, mode, answered)
                     for part, subset in (("tuning", [a for a in answered if not a.case.held_out]),
                                          ("held out", [a for a in answered if a.case.held_out])):

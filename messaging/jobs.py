@@ -8,6 +8,7 @@
                   `service_class` (interactive, standard or bulk; absent: standard), which picks its queue
     structure     structured.Structure.to_json(): the answer's grammar (a JSON schema, forced tool calls)
     tools         OpenAI tool definitions the prompt offers the model (rendered by the worker)
+    grounding     the chat's: what the worker looks up before the model writes (messaging/grounding.py)
     prompt        /v1/completions: the prompt as text or token ids, used as it is (no chat template); then
                   `messages` is empty
     echo          /v1/completions: the final event carries the prompt's text (and its log-probabilities when

@@ -161,6 +161,7 @@ class Stack:
         worker_env = {**env, **(worker_env or {})}
         if placement.pinned:
             worker_env["OMP_NUM_THREADS"] = str(len(placement.engine))
+        self.env, self.workdir, self.placement = env, workdir, placement
         logs = [open(workdir / f"{n}.log", "wb") for n in ("worker", "web")]
         self.procs = [
             subprocess.Popen([sys.executable, "-m", "celery", "-A", "worker.tasks", "worker", "--pool", "threads",
@@ -180,6 +181,21 @@ class Stack:
             self.close()
             raise
         self.base = f"http://127.0.0.1:{port}"
+
+    def add_web(self, **extra: str) -> str:
+        """Another web process on the same Redis, database and worker, with these settings; its base URL."""
+        port = free_port()
+        log = open(self.workdir / f"web{port}.log", "wb")
+        self.procs.append(subprocess.Popen([sys.executable, "-m", "webapp"], cwd=ROOT,
+                                           env={**self.env, "PORT": str(port), **extra}, stdout=log,
+                                           stderr=subprocess.STDOUT,
+                                           preexec_fn=self.placement.launcher(self.placement.rest)))
+        deadline = time.monotonic() + 60
+        while not _up(port):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"web process did not start; see {self.workdir}")
+            time.sleep(0.2)
+        return f"http://127.0.0.1:{port}"
 
     def all_at_once(self, requests_: list[dict], protocol: str) -> dict:
         clients = [_Customer(self.base, q) for q in requests_] if protocol == "socketio" else []
@@ -226,7 +242,7 @@ class Stack:
 def _up(port: int) -> bool:
     try:
         return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).ok
-    except requests.ConnectionError:
+    except requests.RequestException:   # not listening yet, or too busy starting to answer within the second
         return False
 
 
@@ -266,7 +282,7 @@ class _Customer:
 
     def _done(self, data: dict) -> None:
         self.result = {"ttft": self.ttft, "text": "".join(self.parts), "request_id": data["request_id"],
-                       "finished_at": time.time()}
+                       "finished_at": time.time(), "completion_tokens": data.get("completion_tokens")}
         self.finished.set()
 
     def _error(self, data: dict) -> None:
@@ -569,7 +585,23 @@ def main(argv: list[str] | None = None) -> dict:
     crowd.add_argument("--url", default=None, help="a running deployment (e.g. `make run`) instead of a stack of its "
                                                    "own; --web-pid PID of its web server to report memory and CPU")
     crowd.add_argument("--web-pid", type=int, default=None)
+    mixed = parser.add_argument_group("mixed", "instead of the workload: chats arriving beside bulk API streams, "
+                                               "service classes on and off (bench/mixed.py)")
+    mixed.add_argument("--mixed", action="store_true")
+    mixed.add_argument("--bulk-streams", type=int, default=40, help="bulk API clients, each always waiting for one "
+                                                                    "answer")
+    mixed.add_argument("--bulk-tokens", type=int, default=64, help="tokens of each bulk answer (it cannot end early)")
+    mixed.add_argument("--chats", type=int, default=8, help="chat customers, arriving one after another")
+    mixed.add_argument("--chat-interval", type=float, default=2.0, help="seconds between two chats' arrivals")
+    mixed.add_argument("--chat-tokens", type=int, default=32, help="the chats' answer cap")
+    mixed.add_argument("--chat-question", default="Where is my parcel? It was due on Monday.")
+    mixed.add_argument("--chats-alone", type=int, default=4, help="chats sent one at a time to the idle stack first")
+    mixed.add_argument("--bulk-warmup", type=float, default=10.0, help="seconds of bulk before anything is measured")
+    mixed.add_argument("--bulk-window", type=float, default=20.0, help="seconds of bulk alone measured")
     args = parser.parse_args(argv)
+    if args.mixed:
+        from bench import mixed as mixed_traffic
+        return mixed_traffic.run(args, workload(args.workload))
     if args.customers or args.idle or args.ceiling:
         if args.ceiling and args.url:
             parser.error("--ceiling starts its own stack with a synthetic worker; it does not take --url")

@@ -339,3 +339,20 @@ def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64
     for row in rows:
         assert row["err_portable"] < 1e-5 and row["err_avx512"] < 1e-5
         assert row["portable_us"] > 0 and row["avx512_us"] > 0
+
+
+def test_stack_bench_mixed_runs_chats_beside_bulk_streams_with_classes_on_and_off(tiny_model_dir, tmp_path):
+    from bench import stack as stack_bench
+
+    figures = stack_bench.main(["--mixed", "--model", str(tiny_model_dir), "--slots", "2", "--bulk-streams", "6",
+                                "--bulk-tokens", "48", "--chats", "3", "--chat-interval", "0.5", "--chat-tokens", "8",
+                                "--chats-alone", "2", "--bulk-warmup", "2", "--bulk-window", "3",
+                                "--json", str(tmp_path / "mixed.json")])
+    assert [h["label"] for h in figures["halves"]] == ["classes on", "classes off (one FIFO)"]
+    for half in figures["halves"]:
+        assert half["answered"] == half["chats"] == 3 and half["errors"] == {}
+        assert half["bulk_alone_tok_s"] > 0 and half["chat_ttft_p50_s"] > 0
+        # no bulk answer ends before its cap: the end-of-text tokens are biased away
+        assert set(half["bulk_finish_reasons"]) == {"length"}
+    assert figures["alone_chat_ttft_p50_s"] > 0
+    assert json.loads((tmp_path / "mixed.json").read_text())["halves"][0]["chats"] == 3

@@ -325,7 +325,7 @@ def take_request(read) -> Taken | tuple:
         if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
             raise api_params.invalid("model", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
         request = read(body, model or served_models()[0], options.get("include_usage", False))
-        service_class = keyring.service_class(body.get("service_tier"))
+        service_class = queue.served_class(keyring.service_class(body.get("service_tier")))
         queue.check_room(service_class)
         job = queue.new_job(request.messages, {**request.params, "service_class": service_class}, source="api",
                             channel=True,

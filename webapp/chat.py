@@ -150,7 +150,7 @@ def take_message(payload: object, received_at: float) -> None:
         limits.limit_message(owner_id())
         text, conversation_id = validate_message(payload)
         max_new_tokens = validate_max_new_tokens(payload)
-        queue.check_room("interactive")   # the chat page is interactive
+        queue.check_room(queue.served_class("interactive"))   # the chat page is interactive
         job = store_chat(text, conversation_id, max_new_tokens, received_at)
     except UserError as exc:
         count(CHAT_OUTCOMES_KEY, exc.code)
@@ -183,8 +183,8 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, rece
             db.add(conv)
         job = queue.new_job([{"role": "system", "content": cfg["SYSTEM_PROMPT"]}, *history,
                              {"role": "user", "content": text}],
-                            {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"],
-                             "max_new_tokens": max_new_tokens, "service_class": "interactive"},
+                            {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"], "max_new_tokens": max_new_tokens,
+                             "service_class": queue.served_class("interactive")},
                             source="chat", conversation_id=conv.id, received_at=received_at)
         if cfg["CHAT_TOOLS"]:   # the worker runs these tools itself and answers with their results
             job.update(tools=cfg["CHAT_TOOLS"], tool_choice=cfg["CHAT_TOOL_CHOICE"])

@@ -173,7 +173,11 @@ def grounding_settings() -> dict | None:
 def class_settings() -> dict:
     """Per service class: the time-to-first-token objective and the share of QUEUE_LIMIT it may fill."""
     try:
-        return {"TTFT_OBJECTIVES": classes.ttft_objectives(), "QUEUE_SHARES": classes.queue_shares()}
+        switch = os.environ.get("SERVICE_CLASSES", "on").strip().lower()
+        if switch not in ("on", "off"):
+            raise ValueError(f"SERVICE_CLASSES must be on or off; got {switch!r}.")
+        return {"TTFT_OBJECTIVES": classes.ttft_objectives(), "QUEUE_SHARES": classes.queue_shares(),
+                "SERVICE_CLASSES": switch == "on"}
     except ValueError as exc:
         raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
 

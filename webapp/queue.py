@@ -58,6 +58,12 @@ def unavailable() -> UserError:
                                           "again in a few seconds.", retryable=True, status=503)
 
 
+def served_class(service_class: str) -> str:
+    """The class a request is queued and served as: its own, or standard for all with SERVICE_CLASSES=off (one FIFO,
+    as before classes existed; the benchmark's baseline)."""
+    return service_class if current_app.config["SERVICE_CLASSES"] else DEFAULT_CLASS
+
+
 def check_room(service_class: str = DEFAULT_CLASS) -> None:
     """Refuse a request of this class once everything queued fills its share of the queue limit: bulk first, then
     standard, so the last part of the queue is kept for interactive requests."""

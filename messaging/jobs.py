@@ -4,8 +4,9 @@
     request_id, conversation_id, room, channel, source, enqueued_at, api_key   who asked, where the answer goes
     messages      chat messages: {role, content}; the API's may also be {role: "tool", content, tool_call_id}
                   and {role: "assistant", content, tool_calls: [OpenAI tool calls]}
-    params        SamplingParams fields, as JSON (logit_bias keys are token ids as strings), and the request's
-                  `service_class` (interactive, standard or bulk; absent: standard), which picks its queue
+    params        the generation's wire form (messaging/generation.py: {"v": 1, field: value} with only the fields
+                  that differ from their defaults), its `service_class` (interactive, standard or bulk; absent:
+                  standard) picking the queue
     structure     structured.Structure.to_json(): the answer's grammar (a JSON schema, forced tool calls)
     tools         OpenAI tool definitions the prompt offers the model (rendered by the worker)
     grounding     the chat's: what the worker looks up before the model writes (messaging/grounding.py)

@@ -6,16 +6,20 @@ import json
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from datetime import UTC, datetime
 
 import openai
 import pytest
 import redis
 import requests
 
-from messaging.contract import INLINE_FINAL_BYTES, STREAM_CHANNEL, final_key
+from messaging.contract import INLINE_FINAL_BYTES, STREAM_CHANNEL, final_key, job_key
+from messaging.generation import MAX_STOP_CHARS, Generation
+from messaging.generation import VERSION as GENERATION_VERSION
 from messaging.stream import decode_batch
 
 from models import RequestRecord
+from tests.clients import ChatClient
 from tests.stack import wait_for
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
 from worker.model_loader import load_model
@@ -169,3 +173,47 @@ def test_an_end_too_large_for_the_stream_is_read_where_the_worker_keeps_it(stack
     for choice, kept_choice in zip(reply.choices, json.loads(kept)["choices"]):
         assert choice.message.content == kept_choice["text"]
         assert all(len(entry.top_logprobs) == 20 for entry in choice.logprobs.content)
+
+
+def test_a_stop_string_the_web_accepts_is_one_the_worker_takes(client):
+    """One limit for both tiers: a stop string of 150 characters (past the engine's former 64) is answered."""
+    plain = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=20)
+    reply = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=20,
+                                           stop=["never written " * 10 + "at all"])
+    assert reply.choices[0].message.content == plain.choices[0].message.content
+    assert reply.choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_a_stop_string_past_the_shared_limit_is_refused_before_the_queue(stack):
+    response = requests.post(stack.web_urls[0] + "/v1/chat/completions", timeout=10,
+                             json={"messages": MESSAGES, "stop": ["z" * (MAX_STOP_CHARS + 1)]})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "stop" and str(MAX_STOP_CHARS) in error["message"]
+
+
+def test_jobs_go_on_the_queue_as_the_versioned_contract_with_their_class(stack, db):
+    """The chat page's messages are queued as interactive, the API's as standard, in the wire form's version."""
+    idle = stack.env["REDIS_URL"].rsplit("/", 1)[0] + "/7"   # a queue no worker reads: the jobs stay put
+    url = stack.web_with(REDIS_URL=idle)
+    r = redis.Redis.from_url(idle)
+    chat = ChatClient(url)
+    try:
+        chat.sio.emit("chat_message", {"text": "Where is my parcel?", "max_new_tokens": 5})
+        name, accepted = chat.next(30)
+        assert name == "accepted", accepted
+        with pytest.raises(requests.exceptions.ReadTimeout):   # no worker: no answer; the job is queued
+            requests.post(url + "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 7}, timeout=3)
+        jobs = [json.loads(r.get(key)) for key in r.scan_iter(job_key("*"))]
+    finally:
+        chat.close()
+        with db() as s:   # settled, so no reaper looks for them
+            for job in jobs:
+                record = s.get(RequestRecord, job["request_id"])
+                record.finish_reason, record.finished_at = "cancelled", datetime.now(UTC)
+            s.commit()
+        r.flushdb()
+    by_source = {job["source"]: Generation.from_wire(job["params"]) for job in jobs}
+    assert all(job["params"]["v"] == GENERATION_VERSION for job in jobs)
+    assert by_source["chat"].service_class == "interactive" and by_source["chat"].max_new_tokens == 5
+    assert by_source["api"].service_class == "standard" and by_source["api"].max_new_tokens == 7

@@ -24,6 +24,7 @@ from tests.clients import disconnect
 from tests.stack import RedisServer, Stack, base_env, throwaway_database, wait_for
 from webapp.queue import new_job, record_for
 from messaging.contract import QUEUE, job_key
+from messaging.generation import Generation
 from worker.leases import LeasedChannel
 from worker.local_redis import free_port
 
@@ -406,8 +407,8 @@ def test_a_request_lost_on_its_way_to_a_worker_is_queued_again(infra, infra_db):
         # Stored, confirmed and copied, but its message gone: as when a worker is killed between taking it
         # from the queue and recording it as unacknowledged.
         job = new_job([{"role": "user", "content": "Are you still there?"}],
-                      {"temperature": 0, "max_new_tokens": 20, "service_class": "interactive"},
-                      source="chat", conversation_id=customer.conversation_id)
+                      Generation(temperature=0, max_new_tokens=20, service_class="interactive"), source="chat",
+                      conversation_id=customer.conversation_id)
         with infra_db() as s:
             s.add(Message(conversation_id=customer.conversation_id, role="user", content="Are you still there?"))
             s.add(record_for(job))

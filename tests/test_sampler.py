@@ -516,7 +516,6 @@ def test_stop_is_normalised_to_tuple() -> None:
     ("field", "value"),
     [
         ("temperature", -1),
-        ("temperature", 2.01),
         ("temperature", math.nan),
         ("temperature", math.inf),
         ("temperature", "1"),
@@ -529,7 +528,6 @@ def test_stop_is_normalised_to_tuple() -> None:
         ("top_p", math.nan),
         ("repetition_penalty", 0),
         ("repetition_penalty", -1.0),
-        ("repetition_penalty", 10.5),
         ("repetition_penalty", math.inf),
         ("seed", -1),
         ("seed", 2**63),
@@ -538,9 +536,7 @@ def test_stop_is_normalised_to_tuple() -> None:
         ("max_new_tokens", 0),
         ("max_new_tokens", 2.0),
         ("max_new_tokens", True),
-        ("stop", ["a", "b", "c", "d", "e"]),
         ("stop", [""]),
-        ("stop", ["x" * 65]),
         ("stop", [1]),
         ("stop", 5),
         ("ignore_eos", "yes"),
@@ -553,7 +549,7 @@ def test_invalid_params_raise(field: str, value: object) -> None:
 
 
 def test_invalid_params_error_is_value_error_with_range() -> None:
-    with pytest.raises(ValueError, match=r"temperature must be between 0 and 2 \(0 = greedy\); got -1"):
+    with pytest.raises(ValueError, match=r"temperature must be a number >= 0 \(0 = greedy\); got -1"):
         SamplingParams(temperature=-1).validate()
 
 
@@ -855,11 +851,9 @@ def test_new_params_validate() -> None:
 
 
 @pytest.mark.parametrize(("field", "value"), [
-    ("presence_penalty", 2.5), ("presence_penalty", math.nan), ("frequency_penalty", -2.1),
-    ("frequency_penalty", "1"), ("min_p", -0.1), ("min_p", 1.5), ("logprobs", 21), ("logprobs", -1),
-    ("logprobs", 1.0), ("prompt_logprobs", 21), ("n", 0), ("n", 9), ("n", True), ("structure", {"type": "object"}),
-    ("logit_bias", [1, 2]), ("logit_bias", {"x": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 100.5}),
-    ("logit_bias", {5: math.inf}), ("logit_bias", {i: 1.0 for i in range(301)}),
+    ("presence_penalty", math.nan), ("frequency_penalty", "1"), ("min_p", -0.1), ("min_p", 1.5), ("logprobs", -1),
+    ("logprobs", 1.0), ("prompt_logprobs", -1), ("n", 0), ("n", True), ("structure", {"type": "object"}),
+    ("logit_bias", [1, 2]), ("logit_bias", {"x": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: math.inf}),
 ])
 def test_invalid_new_params_raise(field: str, value: object) -> None:
     with pytest.raises(InvalidParamsError, match=field):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import NamedTuple
 
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
@@ -11,6 +12,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from messaging import jobs
 from messaging.contract import HEARTBEAT_PREFIX
+from messaging.generation import Generation
 
 from . import api_answers, api_params, keyring, limits, queue
 from .queue import UserError
@@ -255,7 +257,7 @@ class Request(NamedTuple):
     """A request's body read into what its job carries."""
 
     messages: list[dict]
-    params: dict
+    generation: Generation
     extra: dict          # the job's API fields (messaging/jobs.py)
     shape: api_answers.Shape
 
@@ -270,10 +272,9 @@ class Taken(NamedTuple):
 def read_chat(body: dict, model: str, include_usage: bool) -> Request:
     check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body)
-    params = api_params.sampling(body, current_app.config["MAX_NEW_TOKENS"])
+    logprobs = api_params.chat_logprobs(body)
+    generation = api_params.sampling(body, current_app.config["MAX_NEW_TOKENS"], logprobs=logprobs)
     extra: dict = {}
-    if (logprobs := api_params.chat_logprobs(body)) is not None:
-        params["logprobs"] = logprobs
     use = api_params.tool_use(body)
     structure = api_params.response_format(body)
     if structure is not None and use.structure is not None:
@@ -287,7 +288,7 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
         extra[jobs.STRUCTURE] = structure.to_json()
     shape = api_answers.Shape(model, tools=use.offered, forced=use.structure is not None,
                               logprobs=logprobs is not None, include_usage=include_usage)
-    return Request(messages, params, extra, shape)
+    return Request(messages, generation, extra, shape)
 
 
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:
@@ -298,13 +299,10 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
         raise api_params.invalid("echo", "'echo' must be true or false.")
     logprobs = api_params.legacy_logprobs(body)
     # No answer at all (max_tokens 0) only scores the prompt, which the client sees through echo.
-    params = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1)
-    if logprobs is not None:
-        params["logprobs"] = logprobs
-    if echo and (logprobs is not None or params["max_new_tokens"] == 0):
-        params["prompt_logprobs"] = logprobs or 0
+    generation = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1, logprobs=logprobs,
+                                     score_prompt=echo)
     extra = {jobs.PROMPT: prompt, **({jobs.ECHO: True} if echo else {})}
-    return Request([], params, extra, api_answers.Shape(model, logprobs=logprobs is not None, echo=echo,
+    return Request([], generation, extra, api_answers.Shape(model, logprobs=logprobs is not None, echo=echo,
                                                         include_usage=include_usage))
 
 
@@ -327,8 +325,8 @@ def take_request(read) -> Taken | tuple:
         request = read(body, model or served_models()[0], options.get("include_usage", False))
         service_class = queue.served_class(keyring.service_class(body.get("service_tier")))
         queue.check_room(service_class)
-        job = queue.new_job(request.messages, {**request.params, "service_class": service_class}, source="api",
-                            channel=True,
+        job = queue.new_job(request.messages, replace(request.generation, service_class=service_class),
+                            source="api", channel=True,
                             api_key=keyring.current_name(), extra=request.extra)
         with current_app.extensions["db"]() as db:
             db.add(queue.record_for(job))

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from messaging.generation import MAX_LEGACY_LOGPROBS, MAX_LOGPROBS, Generation, GenerationError
 from structured import Structure, StructureError, Tool, ToolError
 from structured.tools import forced
 
 from .queue import UserError
 from .security import clean_text
 
-MAX_TOKENS_LIMIT = 4096
-MAX_STOP_CHARS = 200
-MAX_CHOICES = 8
-MAX_TOP_LOGPROBS = 20          # chat: top_logprobs
-MAX_LEGACY_LOGPROBS = 5        # completions: logprobs
-MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_TOOLS = 64
 
 
@@ -25,88 +19,32 @@ def invalid(param: str, message: str) -> UserError:
     return UserError("invalid_value", message, param=param)
 
 
-def number(body: dict, name: str, default, low: float, high: float, integer: bool = False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    # Floats must be finite; ints are compared exactly, however many digits they have.
-    if isinstance(value, bool) or not ok or (isinstance(value, float) and not math.isfinite(value)) \
-            or not low <= value <= high:
-        kind = "an integer" if integer else "a number"
-        got = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
-        raise invalid(name, f"'{name}' must be {kind} between {low} and {high}; got {got}.")
-    return value
+def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1, logprobs: int | None = None,
+             score_prompt: bool = False) -> Generation:
+    """The generation every endpoint shares, read from the body and checked against messaging/generation.py's
+    limits. `logprobs`: alternatives per answer token (read by the endpoint); `score_prompt`: /v1/completions' echo,
+    whose prompt is scored when log-probabilities are asked for or no answer is (max_tokens 0)."""
+    def given(name: str, default: Any) -> Any:
+        return default if body.get(name) is None else body[name]
 
-
-def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1) -> dict:
-    """The SamplingParams fields every endpoint shares, checked."""
-    stop = body.get("stop") or []
+    stop = given("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         stop = [clean_text(s) for s in stop]
-    if not isinstance(stop, list) or len(stop) > 4 or \
-            not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise invalid("stop", f"'stop' must be a string or a list of at most 4 non-empty strings of at most "
-                              f"{MAX_STOP_CHARS} characters.")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = {
-        "max_new_tokens": number({"max_tokens": max_tokens}, "max_tokens", default_max_tokens, min_max_tokens,
-                                 MAX_TOKENS_LIMIT, integer=True),
-        "temperature": number(body, "temperature", 1.0, 0, 2),
-        "top_p": number(body, "top_p", 1.0, 0, 1),
-        "top_k": number(body, "top_k", 0, -1, 100_000, integer=True),
-        "repetition_penalty": number(body, "repetition_penalty", 1.0, 0.01, 10),
-        "stop": stop,
-    }
-    if params["top_p"] == 0:
-        raise invalid("top_p", "'top_p' must be greater than 0.")
-    if body.get("seed") is not None:
-        params["seed"] = number(body, "seed", None, 0, 2**63 - 1, integer=True)
-    # Only what differs from the engine's defaults goes in the job: an older worker reads the rest as before.
-    for name in ("presence_penalty", "frequency_penalty"):
-        if value := number(body, name, 0.0, -2, 2):
-            params[name] = value
-    if min_p := number(body, "min_p", 0.0, 0, 1):
-        params["min_p"] = min_p
-    if bias := logit_bias(body.get("logit_bias")):
-        params["logit_bias"] = bias
-    if (n := choices(body)) != 1:
-        params["n"] = n
-    return params
-
-
-def logit_bias(value: Any) -> dict[str, float]:
-    """OpenAI's {"token id": bias}: ids as decimal strings, biases from -100 to 100."""
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise invalid("logit_bias", "'logit_bias' must be an object mapping token ids (as strings) to numbers "
-                                    "from -100 to 100, like {\"50256\": -100}.")
-    if len(value) > MAX_LOGIT_BIAS_ENTRIES:
-        raise invalid("logit_bias", f"'logit_bias' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens; got "
-                                    f"{len(value)}. Remove some.")
-    out = {}
-    for token, bias in value.items():
-        if not (isinstance(token, str) and token.isdigit() and token.isascii() and len(token) <= 9):
-            raise invalid("logit_bias", f"'logit_bias' keys must be token ids such as \"50256\"; got "
-                                        f"{token[:20]!r}.")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias) \
-                or not -100 <= bias <= 100:
-            raise invalid("logit_bias", f"'logit_bias[{token}]' must be a number from -100 to 100; got "
-                                        f"{str(bias)[:20]}.")
-        out[str(int(token))] = float(bias)
-    return out
-
-
-def choices(body: dict) -> int:
-    n = body.get("n")
-    if n is None:
-        return 1
-    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-        raise invalid("n", f"'n' must be an integer from 1 to {MAX_CHOICES}; got {str(n)[:20]}. Ask for at most "
-                           f"{MAX_CHOICES} choices per request (send several requests for more).")
-    return n
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    generation = Generation(
+        max_new_tokens=given(max_name, default_max_tokens), temperature=given("temperature", 1.0),
+        top_p=given("top_p", 1.0), top_k=given("top_k", 0), min_p=given("min_p", 0.0),
+        repetition_penalty=given("repetition_penalty", 1.0), presence_penalty=given("presence_penalty", 0.0),
+        frequency_penalty=given("frequency_penalty", 0.0), logit_bias=body.get("logit_bias"), seed=body.get("seed"),
+        stop=stop, n=given("n", 1), logprobs=logprobs)
+    if score_prompt and (logprobs is not None or generation.max_new_tokens == 0):
+        generation.prompt_logprobs = logprobs or 0
+    try:
+        generation.check(names={"max_new_tokens": max_name}, min_max_tokens=min_max_tokens)
+    except GenerationError as exc:
+        raise invalid(exc.field, exc.message) from None
+    return generation
 
 
 def chat_logprobs(body: dict) -> int | None:
@@ -115,8 +53,8 @@ def chat_logprobs(body: dict) -> int | None:
     if wanted is not None and not isinstance(wanted, bool):
         raise invalid("logprobs", f"'logprobs' must be true or false on chat completions; got {str(wanted)[:20]}. "
                                   "Ask for alternatives with 'top_logprobs' (0 to 20).")
-    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS):
-        raise invalid("top_logprobs", f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}; got "
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise invalid("top_logprobs", f"'top_logprobs' must be an integer from 0 to {MAX_LOGPROBS}; got "
                                       f"{str(top)[:20]}.")
     if not wanted:
         if top:

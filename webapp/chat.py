@@ -10,6 +10,7 @@ from flask import Blueprint, current_app, render_template, request, session
 from flask_socketio import ConnectionRefusedError, join_room
 
 from messaging import chat_tools, grounding
+from messaging.generation import Generation, GenerationError
 from models import ROLES, Conversation, Message, RequestRecord, new_conversation_id
 
 from . import limits, queue
@@ -61,14 +62,19 @@ def page():
                            shop_name=current_app.config["SHOP_NAME"]), PRIVATE
 
 
-def validate_max_new_tokens(payload: dict) -> int:
-    """An optional shorter answer cap (load tests, embedded widgets); the shop's limit is the ceiling."""
-    limit = current_app.config["MAX_NEW_TOKENS"]
-    value = payload.get("max_new_tokens", limit)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
-        raise UserError("invalid_value", f"max_new_tokens must be a whole number from 1 to {limit}; "
-                                         "omit it for the default.")
-    return value
+def chat_generation(payload: dict) -> Generation:
+    """How to answer a chat message: the shop's sampling, served as interactive; `max_new_tokens` may ask for a
+    shorter answer (load tests, embedded widgets), the shop's limit being the ceiling."""
+    cfg = current_app.config
+    limit = cfg["MAX_NEW_TOKENS"]
+    generation = Generation(max_new_tokens=payload.get("max_new_tokens", limit), temperature=cfg["TEMPERATURE"],
+                            top_p=cfg["TOP_P"], service_class=queue.served_class("interactive"))
+    try:
+        generation.check(max_tokens=limit)
+    except GenerationError as exc:
+        raise UserError("invalid_value", f"max_new_tokens must be a whole number from 1 to {limit}; omit it for "
+                                         "the default." if exc.field == "max_new_tokens" else exc.message) from None
+    return generation
 
 
 def validate_message(payload: object) -> tuple[str, str | None]:
@@ -149,9 +155,9 @@ def take_message(payload: object, received_at: float) -> None:
         # Counted before anything else, so a flood of malformed messages is throttled too.
         limits.limit_message(owner_id())
         text, conversation_id = validate_message(payload)
-        max_new_tokens = validate_max_new_tokens(payload)
-        queue.check_room(queue.served_class("interactive"))   # the chat page is interactive
-        job = store_chat(text, conversation_id, max_new_tokens, received_at)
+        generation = chat_generation(payload)
+        queue.check_room(generation.service_class)   # the chat page is interactive
+        job = store_chat(text, conversation_id, generation, received_at)
     except UserError as exc:
         count(CHAT_OUTCOMES_KEY, exc.code)
         emit_error(exc)
@@ -169,7 +175,8 @@ def take_message(payload: object, received_at: float) -> None:
     _in_flight.setdefault(request.sid, set()).add(job["request_id"])
 
 
-def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, received_at: float | None = None) -> dict:
+def store_chat(text: str, conversation_id: str | None, generation: Generation,
+               received_at: float | None = None) -> dict:
     """Store the message and its request record; the job to queue comes back."""
     cfg = current_app.config
     with current_app.extensions["db"]() as db:
@@ -183,9 +190,7 @@ def store_chat(text: str, conversation_id: str | None, max_new_tokens: int, rece
             db.add(conv)
         job = queue.new_job([{"role": "system", "content": cfg["SYSTEM_PROMPT"]}, *history,
                              {"role": "user", "content": text}],
-                            {"temperature": cfg["TEMPERATURE"], "top_p": cfg["TOP_P"], "max_new_tokens": max_new_tokens,
-                             "service_class": queue.served_class("interactive")},
-                            source="chat", conversation_id=conv.id, received_at=received_at)
+                            generation, source="chat", conversation_id=conv.id, received_at=received_at)
         if cfg["CHAT_TOOLS"]:   # the worker runs these tools itself and answers with their results
             job.update(tools=cfg["CHAT_TOOLS"], tool_choice=cfg["CHAT_TOOL_CHOICE"])
         if cfg["CHAT_GROUNDING"]:   # the worker looks up the orders and articles the message names first

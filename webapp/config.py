@@ -10,6 +10,7 @@ from pathlib import Path
 from werkzeug.security import generate_password_hash
 
 from messaging import chat_tools, classes, grounding
+from messaging.generation import Generation, GenerationError
 
 log = logging.getLogger(__name__)
 
@@ -152,9 +153,7 @@ def load() -> dict:
         "SYSTEM_PROMPT": system_prompt(shop),
         "MAX_MESSAGE_CHARS": int(os.environ.get("MAX_MESSAGE_CHARS", "4000")),
         "QUEUE_LIMIT": optional_int("QUEUE_LIMIT"),   # None: follows the workers' slots (webapp/capacity.py)
-        "MAX_NEW_TOKENS": int(os.environ.get("MAX_NEW_TOKENS", "256")),
-        "TEMPERATURE": float(os.environ.get("TEMPERATURE", "0.7")),
-        "TOP_P": float(os.environ.get("TOP_P", "0.9")),
+        **chat_generation_settings(),
         **chat_tools_settings(),
         **class_settings(),
         "CHAT_GROUNDING": grounding_settings(),
@@ -168,6 +167,24 @@ def grounding_settings() -> dict | None:
                                   os.environ.get("SUPPORT_CONTACT")).to_job()
     except ValueError as exc:
         raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
+
+
+def chat_generation_settings() -> dict:
+    """The chat's answer cap and sampling (MAX_NEW_TOKENS, TEMPERATURE, TOP_P), checked against the limits every
+    request is held to (messaging/generation.py), so a value out of them stops the start instead of every answer."""
+    try:
+        cap = int(os.environ.get("MAX_NEW_TOKENS", "256"))
+        temperature = float(os.environ.get("TEMPERATURE", "0.7"))
+        top_p = float(os.environ.get("TOP_P", "0.9"))
+    except ValueError as exc:
+        raise ConfigError(f"MAX_NEW_TOKENS, TEMPERATURE and TOP_P must be numbers ({exc}); fix the environment "
+                          "(or .env).") from None
+    try:
+        Generation(max_new_tokens=cap, temperature=temperature, top_p=top_p).check(
+            names={"max_new_tokens": "MAX_NEW_TOKENS", "temperature": "TEMPERATURE", "top_p": "TOP_P"})
+    except GenerationError as exc:
+        raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
+    return {"MAX_NEW_TOKENS": cap, "TEMPERATURE": temperature, "TOP_P": top_p}
 
 
 def class_settings() -> dict:

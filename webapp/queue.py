@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import UTC, datetime
 
 import redis
@@ -19,6 +20,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from messaging.contract import (CANCEL_CHANNEL, DEFAULT_CLASS, GENERATE_TASK, JOB_TTL_S, cancelled_key, events_channel, final_key,
                                 job_key, queue_for)
 from messaging.classes import RETRY_AFTER_S
+from messaging.generation import Generation
 from messaging.jobs import service_class
 from messaging.queue import queue_depths
 from models import RequestRecord
@@ -82,19 +84,21 @@ def check_room(service_class: str = DEFAULT_CLASS) -> None:
         raise UserError("queue_full", message, retryable=True, status=429, retry_after=wait)
 
 
-def new_job(messages: list[dict], params: dict, source: str, conversation_id: str | None = None,
+def new_job(messages: list[dict], generation: Generation, source: str, conversation_id: str | None = None,
             channel: bool = False, received_at: float | None = None, api_key: str | None = None,
             extra: dict | None = None) -> dict:
-    """A request to queue. Its `enqueued_at` (when the message came in, by default now) orders the worker's queue
-    and starts the request's latency clock; `api_key` is the name of the API key it came with. `extra` adds the
-    API's fields (messaging/jobs.py says which), each absent from jobs that do not use it."""
+    """A request to queue, its generation checked by the caller. Its `enqueued_at` (when the message came in, by
+    default now) orders the worker's queue and starts the request's latency clock; `api_key` is the name of the API
+    key it came with. `extra` adds the API's fields (messaging/jobs.py says which), each absent from jobs that do
+    not use it."""
     request_id = uuid.uuid4().hex
     # Fixed now, so a redelivery after a worker crash samples the same tokens and resumes the stream.
-    params = {**params, "seed": params["seed"] if params.get("seed") is not None else secrets.randbits(63)}
+    if generation.seed is None:
+        generation = replace(generation, seed=secrets.randbits(63))
     return {"request_id": request_id, "conversation_id": conversation_id, "room": conversation_id,
             "channel": events_channel(request_id) if channel else None, "source": source,
-            "enqueued_at": received_at or time.time(), "messages": messages, "params": params, "api_key": api_key,
-            **(extra or {})}
+            "enqueued_at": received_at or time.time(), "messages": messages, "params": generation.to_wire(),
+            "api_key": api_key, **(extra or {})}
 
 
 def record_for(job: dict) -> RequestRecord:

@@ -11,6 +11,7 @@ from celery.exceptions import Reject
 from sqlalchemy.exc import IntegrityError
 
 from messaging.contract import cancelled_key, streamed_key
+from messaging.generation import Generation, GenerationError
 from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable, service_class
 from models import Message, RequestRecord
 from structured import Structure, StructureError, Tool, ToolError
@@ -32,8 +33,9 @@ def utc(ts: float | None) -> datetime | None:
 
 
 def engine_params(job: dict) -> dict:
-    """The job's params the engine's SamplingParams takes (the service class travels beside them)."""
-    return {k: v for k, v in job.get("params", {}).items() if k != "service_class"}
+    """The engine's SamplingParams fields, from the queued request read with the checks the web app made
+    (messaging/generation.py; GenerationError if it does not pass). The service class travels beside them."""
+    return Generation.from_wire(job.get("params") or {}).engine_fields()
 
 
 def sampling_params(job: dict) -> SamplingParams:
@@ -98,7 +100,7 @@ class Job:
                 _, prompt_ids = fit_to_context(engine, job["messages"], reserve=reserve, tools=job.get(TOOLS))
             echo = self.prompt_text(prompt_ids) if job.get(ECHO) else None
             return self.start(prompt_ids, params, shown, echo)
-        except (InvalidRequestError, InvalidParamsError, StructureError) as exc:
+        except (InvalidRequestError, InvalidParamsError, StructureError, GenerationError) as exc:
             if "already in use" in str(exc):   # the same request is being answered in this process
                 return None
             self.fail(refusal_code(exc), str(exc))
@@ -137,7 +139,7 @@ class Job:
             base = SamplingParams(**engine_params(job))
             base.validate()
             first = assistant.first_structure(tools, job.get("tool_choice") or "auto")
-        except (ToolError, InvalidParamsError, TypeError) as exc:
+        except (ToolError, InvalidParamsError, GenerationError) as exc:
             self.fail("invalid_request", str(exc))
             return None
         answer = publisher.track(job, shown)

@@ -178,6 +178,10 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"The prompt is {len(ids)} tokens but the KV cache holds only {pool_tokens}. "
                 "Shorten the prompt or give the engine a larger KV cache.")
+        wanted = max(params.logprobs or 0, params.prompt_logprobs or 0)
+        if wanted > self.vocab:
+            raise InvalidRequestError(f"{wanted} alternatives per token asked for, but the model has only "
+                                      f"{self.vocab} tokens.")
         outside = sorted(t for t in (params.logit_bias or {}) if t >= self.vocab)
         if outside:
             raise InvalidRequestError(f"logit_bias names token ids the model does not have: {outside[:5]}; "

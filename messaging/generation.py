@@ -1,0 +1,203 @@
+"""A generation request as both tiers know it: its fields, limits, defaults, checks and versioned wire form."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from messaging.contract import CLASS_QUEUES, DEFAULT_CLASS
+
+# The wire form's version: `params` in a queued job is {"v": VERSION, field: value, ...}. A job without "v" came
+# from a web process older than the version (the same names, none of the fields added since).
+VERSION = 1
+
+# The limits, here only: the web app refuses a request past one before it is queued, and the worker reads the
+# queued request with the same checks, so nothing accepted can fail later on a limit.
+MAX_TOKENS = 4096              # answer tokens per choice
+DEFAULT_MAX_TOKENS = 256
+MAX_TEMPERATURE = 2.0
+MAX_TOP_K = 100_000
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0              # presence and frequency penalties, as OpenAI's
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_SEED = 2**63 - 1
+MAX_STOP_STRINGS = 4
+MAX_STOP_CHARS = 200
+MAX_CHOICES = 8
+MAX_LOGPROBS = 20              # alternatives per token (chat's top_logprobs)
+MAX_LEGACY_LOGPROBS = 5        # /v1/completions' logprobs, as OpenAI's
+
+# Most urgent first, each with its queue; the engine serves them in this order (worker/engine/sequence.py holds the
+# same tuple, and a test checks that they agree: the engine imports nothing from here).
+SERVICE_CLASSES = tuple(CLASS_QUEUES)
+
+
+class GenerationError(ValueError):
+    """A field out of its limits; `field` is the name the client used."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field, self.message = field, message
+
+
+@dataclass
+class Generation:
+    """How to generate one answer. The names are the engine's SamplingParams' where they share a meaning."""
+
+    max_new_tokens: int = DEFAULT_MAX_TOKENS
+    temperature: float = 1.0             # 0: greedy
+    top_p: float = 1.0                   # 1: off
+    top_k: int = 0                       # 0 or -1: off
+    min_p: float = 0.0                   # 0: off
+    repetition_penalty: float = 1.0      # 1: off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None   # token id -> added to its logit
+    seed: int | None = None              # None: drawn when the request is accepted (webapp/queue.py)
+    stop: tuple[str, ...] = ()
+    n: int = 1
+    logprobs: int | None = None          # alternatives per answer token; None: no log-probabilities
+    prompt_logprobs: int | None = None   # the same for the prompt's tokens (scoring, /v1/completions' echo)
+    service_class: str = DEFAULT_CLASS    # picks the request's queue and its place in the engine's order
+
+    def check(self, max_tokens: int = MAX_TOKENS, names: dict[str, str] | None = None,
+              min_max_tokens: int = 1) -> None:
+        """Raise GenerationError for the first field out of its limits. `max_tokens`: a lower ceiling than
+        MAX_TOKENS (the chat's); `names`: the client's names for fields (the API's `max_tokens`);
+        `min_max_tokens`: 0 where an answer of no tokens only scores the prompt."""
+        names = names or {}
+
+        def name(f: str) -> str:
+            return names.get(f, f)
+
+        def integer(f: str, low: int, high: int, note: str = "") -> None:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise GenerationError(name(f), f"'{name(f)}' must be an integer from {low} to {high}{note}; got "
+                                               f"{shown(value)}.")
+
+        def real(f: str, low: float, high: float, note: str = "") -> None:
+            value = getattr(self, f)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                    (isinstance(value, float) and not math.isfinite(value)) or not low <= value <= high:
+                raise GenerationError(name(f), f"'{name(f)}' must be a number from {low:g} to {high:g}{note}; got "
+                                               f"{shown(value)}.")
+
+        integer("max_new_tokens", min_max_tokens, min(max_tokens, MAX_TOKENS))
+        real("temperature", 0, MAX_TEMPERATURE, " (0: greedy)")
+        real("top_p", 0, 1)
+        if self.top_p == 0:
+            raise GenerationError(name("top_p"), f"'{name('top_p')}' must be greater than 0 (1: off).")
+        integer("top_k", -1, MAX_TOP_K, " (0 or -1: off)")
+        real("min_p", 0, 1, " (0: off)")
+        real("repetition_penalty", 0, MAX_REPETITION_PENALTY, " (1: off)")
+        if self.repetition_penalty == 0:
+            raise GenerationError(name("repetition_penalty"),
+                                  f"'{name('repetition_penalty')}' must be greater than 0 (1: off).")
+        real("presence_penalty", -MAX_PENALTY, MAX_PENALTY)
+        real("frequency_penalty", -MAX_PENALTY, MAX_PENALTY)
+        self._check_logit_bias(name("logit_bias"))
+        if self.seed is not None:
+            integer("seed", 0, MAX_SEED)
+        self._check_stop(name("stop"))
+        integer("n", 1, MAX_CHOICES, " (send several requests for more)")
+        for f in ("logprobs", "prompt_logprobs"):
+            if getattr(self, f) is not None:
+                integer(f, 0, MAX_LOGPROBS)
+        if self.max_new_tokens == 0 and self.prompt_logprobs is None:
+            raise GenerationError(name("max_new_tokens"), f"'{name('max_new_tokens')}' 0 only scores the prompt; "
+                                                          "ask for its log-probabilities or for at least 1 token.")
+        if self.service_class not in SERVICE_CLASSES:
+            raise GenerationError(name("service_class"), f"'{name('service_class')}' must be one of "
+                                                         f"{', '.join(SERVICE_CLASSES)}; got "
+                                                         f"{shown(self.service_class)}.")
+
+    def _check_logit_bias(self, label: str) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            raise GenerationError(label, f"'{label}' must be an object mapping token ids (as strings) to numbers "
+                                         f"from -{MAX_LOGIT_BIAS:g} to {MAX_LOGIT_BIAS:g}, like {{\"50256\": -100}}.")
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise GenerationError(label, f"'{label}' takes at most {MAX_LOGIT_BIAS_ENTRIES} tokens; got {len(bias)}. "
+                                         "Remove some.")
+        for token, value in bias.items():
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise GenerationError(label, f"'{label}' keys must be token ids such as \"50256\"; got "
+                                             f"{shown(token)}.")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise GenerationError(label, f"'{label}[{token}]' must be a number from -{MAX_LOGIT_BIAS:g} to "
+                                             f"{MAX_LOGIT_BIAS:g}; got {shown(value)}.")
+
+    def _check_stop(self, label: str) -> None:
+        if not isinstance(self.stop, tuple) or len(self.stop) > MAX_STOP_STRINGS or \
+                not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in self.stop):
+            raise GenerationError(label, f"'{label}' must be a string or a list of at most {MAX_STOP_STRINGS} "
+                                         f"non-empty strings of at most {MAX_STOP_CHARS} characters.")
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The engine's SamplingParams fields (all but the service class, which the engine takes per request)."""
+        out = asdict(self)
+        del out["service_class"]
+        return out
+
+    def to_wire(self) -> dict[str, Any]:
+        """The queued form: JSON, versioned, with the service class and the fields that differ from their defaults."""
+        out: dict[str, Any] = {"v": VERSION}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value == f.default and f.name != "service_class":
+                continue
+            if f.name == "logit_bias":
+                value = {str(k): v for k, v in value.items()}   # JSON object keys are strings
+            elif f.name == "stop":
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_wire(cls, data: dict[str, Any], max_tokens: int = MAX_TOKENS) -> Generation:
+        """A queued request's fields, checked as the web app checked them; GenerationError if they do not pass."""
+        if not isinstance(data, dict):
+            raise GenerationError("params", f"A job's params must be an object; got {type(data).__name__}.")
+        data = dict(data)
+        version = data.pop("v", 0)
+        if version not in (0, VERSION):
+            raise GenerationError("v", f"The request's params are version {shown(version)} but this worker reads up "
+                                       f"to {VERSION}; upgrade the worker before the web app.")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise GenerationError(unknown[0], f"The request's params hold fields this worker does not know "
+                                              f"({', '.join(unknown)[:200]}); upgrade the worker.")
+        generation = cls(**data)
+        generation.check(max_tokens, min_max_tokens=0)
+        return generation
+
+    def __post_init__(self) -> None:
+        # JSON carries a single stop string or a list, and logit_bias's token ids as strings.
+        if self.stop is None:
+            self.stop = ()
+        elif isinstance(self.stop, str):
+            self.stop = (self.stop,)
+        elif isinstance(self.stop, list):
+            self.stop = tuple(self.stop)
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {token_id(k): v for k, v in self.logit_bias.items()} or None
+
+
+def token_id(key: Any) -> Any:
+    """A logit_bias key as a token id: "50256" -> 50256; anything else is left for check() to name."""
+    if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9:
+        return int(key)
+    return key
+
+
+def shown(value: Any) -> str:
+    """A value as an error message quotes it: short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."

@@ -28,6 +28,13 @@ MAX_STOP_CHARS = 200
 MAX_CHOICES = 8
 MAX_LOGPROBS = 20              # alternatives per token (chat's top_logprobs)
 MAX_LEGACY_LOGPROBS = 5        # /v1/completions' logprobs, as OpenAI's
+MAX_DRY_MULTIPLIER = 100.0
+MAX_DRY_BASE = 10.0
+MAX_DRY_LENGTH = 1_000_000     # dry_allowed_length and dry_penalty_last_n, in tokens
+MAX_DRY_BREAKERS = 16
+MAX_DRY_BREAKER_CHARS = 40     # llama.cpp's cut-off too
+# DRY's sequence breakers when none are sent: llama.cpp's (worker/engine/dry.py holds the same tuple; a test checks).
+DRY_BREAKERS = ("\n", ":", "\"", "*")
 
 # Most urgent first, each with its queue; the engine serves them in this order (worker/engine/sequence.py holds the
 # same tuple, and a test checks that they agree: the engine imports nothing from here).
@@ -61,6 +68,14 @@ class Generation:
     logprobs: int | None = None          # alternatives per answer token; None: no log-probabilities
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (scoring, /v1/completions' echo)
     service_class: str = DEFAULT_CLASS    # picks the request's queue and its place in the engine's order
+    # DRY, llama.cpp's repetition guard (worker/engine/dry.py): a token that would extend a run of n >=
+    # dry_allowed_length tokens seen in the window loses dry_multiplier * dry_base ** (n - dry_allowed_length).
+    dry_multiplier: float = 0.0          # 0: off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1         # the window: -1 the whole context, 0 off
+    dry_sequence_breakers: tuple[str, ...] = DRY_BREAKERS   # runs are not counted across these
+    dry_include_prompt: bool = True      # False: the window starts at the answer
 
     def check(self, max_tokens: int = MAX_TOKENS, names: dict[str, str] | None = None,
               min_max_tokens: int = 1) -> None:
@@ -109,6 +124,19 @@ class Generation:
         if self.max_new_tokens == 0 and self.prompt_logprobs is None:
             raise GenerationError(name("max_new_tokens"), f"'{name('max_new_tokens')}' 0 only scores the prompt; "
                                                           "ask for its log-probabilities or for at least 1 token.")
+        real("dry_multiplier", 0, MAX_DRY_MULTIPLIER, " (0: off)")
+        real("dry_base", 1, MAX_DRY_BASE)
+        integer("dry_allowed_length", 1, MAX_DRY_LENGTH)
+        integer("dry_penalty_last_n", -1, MAX_DRY_LENGTH, " (-1: the whole context, 0: off)")
+        breakers = self.dry_sequence_breakers
+        if not isinstance(breakers, tuple) or len(breakers) > MAX_DRY_BREAKERS or \
+                not all(isinstance(b, str) and 0 < len(b) <= MAX_DRY_BREAKER_CHARS for b in breakers):
+            label = name("dry_sequence_breakers")
+            raise GenerationError(label, f"'{label}' must be a list of at most {MAX_DRY_BREAKERS} non-empty strings "
+                                         f"of at most {MAX_DRY_BREAKER_CHARS} characters, like [\"\\n\", \":\"].")
+        if not isinstance(self.dry_include_prompt, bool):
+            label = name("dry_include_prompt")
+            raise GenerationError(label, f"'{label}' must be true or false; got {shown(self.dry_include_prompt)}.")
         if self.service_class not in SERVICE_CLASSES:
             raise GenerationError(name("service_class"), f"'{name('service_class')}' must be one of "
                                                          f"{', '.join(SERVICE_CLASSES)}; got "
@@ -154,7 +182,7 @@ class Generation:
                 continue
             if f.name == "logit_bias":
                 value = {str(k): v for k, v in value.items()}   # JSON object keys are strings
-            elif f.name == "stop":
+            elif f.name in ("stop", "dry_sequence_breakers"):
                 value = list(value)
             out[f.name] = value
         return out
@@ -188,6 +216,8 @@ class Generation:
             self.stop = tuple(self.stop)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {token_id(k): v for k, v in self.logit_bias.items()} or None
+        if isinstance(self.dry_sequence_breakers, list):
+            self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
 
 
 def token_id(key: Any) -> Any:

@@ -180,6 +180,27 @@ def test_logit_bias_reaches_the_sampler(client):
     assert biased.choices[0].logprobs.content[0].token == ":"   # token 42 of the tokenizer
 
 
+def test_dry_fields_as_llama_cpp_clients_send_them_reach_the_sampler(client, tiny_model_dir, tokenizer):
+    """Top-level DRY fields (extra_body in the openai client): the answer is the engine's with the same DRY, and
+    not the plain one (the tiny model's greedy answer to "no" loops)."""
+    dry = {"dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1,
+           "dry_sequence_breakers": "\"\\n\", \":\""}   # text-generation-webui's string form
+    reply = client.completions.create(model="any", prompt="no", temperature=0, max_tokens=80, extra_body=dry)
+    model, _ = load_model(str(tiny_model_dir), weights=weights_setting())
+    engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
+    ids = tokenizer.encode("no")
+    params = SamplingParams(temperature=0, max_new_tokens=80, **{**dry, "dry_sequence_breakers": ["\n", ":"]})
+    engine.add_request("direct", prompt_token_ids=ids, params=params)
+    engine.add_request("plain", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=80))
+    answers = {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, RequestFinished):
+                answers[event.request_id] = event.text
+    assert reply.choices[0].text == answers["direct"]
+    assert answers["direct"] != answers["plain"]
+
+
 def direct_completion(model_dir, ids: list[int], max_tokens: int) -> str:
     model, tokenizer = load_model(str(model_dir), weights=weights_setting())   # the worker's precision
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
@@ -267,6 +288,11 @@ BAD = [
     ("/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/completions", {"prompt": ["a", "b"]}, "prompt"),
     ("/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/chat/completions", {"dry_multiplier": -0.5}, "dry_multiplier"),
+    ("/chat/completions", {"dry_multiplier": 0.8, "dry_base": 0.5}, "dry_base"),
+    ("/chat/completions", {"dry_allowed_length": 0}, "dry_allowed_length"),
+    ("/chat/completions", {"dry_sequence_breakers": ["\n", ""]}, "dry_sequence_breakers"),
+    ("/completions", {"prompt": "hi", "dry_penalty_last_n": -2}, "dry_penalty_last_n"),
 ]
 
 

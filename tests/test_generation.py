@@ -29,6 +29,11 @@ def test_the_defaults_pass_and_go_on_the_wire_as_a_version_and_a_class() -> None
     ("seed", -1), ("seed", 2**63), ("stop", ["a", "b", "c", "d", "e"]), ("stop", [""]),
     ("stop", ["x" * (g.MAX_STOP_CHARS + 1)]), ("stop", 5), ("n", 0), ("n", g.MAX_CHOICES + 1),
     ("logprobs", g.MAX_LOGPROBS + 1), ("prompt_logprobs", -1), ("service_class", "urgent"),
+    ("dry_multiplier", -0.1), ("dry_multiplier", g.MAX_DRY_MULTIPLIER + 1), ("dry_base", 0.9),
+    ("dry_base", g.MAX_DRY_BASE + 1), ("dry_allowed_length", 0), ("dry_penalty_last_n", -2),
+    ("dry_sequence_breakers", ["\n", ""]), ("dry_sequence_breakers", ["x" * (g.MAX_DRY_BREAKER_CHARS + 1)]),
+    ("dry_sequence_breakers", [str(i) for i in range(g.MAX_DRY_BREAKERS + 1)]), ("dry_sequence_breakers", "\n"),
+    ("dry_include_prompt", "no"),
 ])
 def test_a_value_past_its_limit_is_refused_naming_its_field(field: str, value: object) -> None:
     with pytest.raises(GenerationError, match=field) as caught:
@@ -53,7 +58,9 @@ def test_a_lower_ceiling_binds_and_zero_tokens_only_score_a_prompt() -> None:
 def test_the_wire_form_round_trips_and_the_engine_takes_every_field() -> None:
     sent = Generation(max_new_tokens=7, temperature=0.3, top_k=5, min_p=0.1, repetition_penalty=1.2,
                       presence_penalty=0.5, frequency_penalty=-0.5, logit_bias={"42": -100}, seed=9,
-                      stop=["END", "x" * g.MAX_STOP_CHARS], n=2, logprobs=3, service_class="interactive")
+                      stop=["END", "x" * g.MAX_STOP_CHARS], n=2, logprobs=3, service_class="interactive",
+                      dry_multiplier=0.8, dry_allowed_length=3, dry_sequence_breakers=["\n", "User:"],
+                      dry_include_prompt=False)
     sent.check()
     wire = sent.to_wire()
     assert wire["v"] == g.VERSION and wire["logit_bias"] == {"42": -100} and "top_p" not in wire
@@ -62,6 +69,8 @@ def test_the_wire_form_round_trips_and_the_engine_takes_every_field() -> None:
     params = SamplingParams(**read.engine_fields())
     params.validate()   # the engine takes whatever the contract lets through
     assert params.stop == ("END", "x" * g.MAX_STOP_CHARS) and params.n == 2
+    assert params.dry and params.dry_sequence_breakers == ("\n", "User:") and not params.dry_include_prompt
+    assert wire["dry_sequence_breakers"] == ["\n", "User:"] and "dry_base" not in wire
 
 
 def test_a_job_from_an_older_web_process_is_read_as_version_0() -> None:
@@ -90,3 +99,9 @@ def test_the_worker_builds_the_engines_params_and_class_from_a_job() -> None:
 
 def test_the_service_classes_are_the_engines() -> None:
     assert g.SERVICE_CLASSES == SERVICE_CLASSES
+
+
+def test_dry_defaults_are_the_engines() -> None:
+    engine = SamplingParams()
+    assert {f: getattr(Generation(), f) for f in Generation().engine_fields() if f.startswith("dry_")} == \
+        {f: getattr(engine, f) for f in vars(engine) if f.startswith("dry_")}

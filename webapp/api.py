@@ -31,7 +31,7 @@ LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
 COMMON_FIELDS = frozenset({
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
     "frequency_penalty", "logit_bias", "seed", "stop", "stream", "stream_options", "n", "logprobs",
-    "user", "metadata", "store", "service_tier",
+    "user", "metadata", "store", "service_tier", *api_params.DRY_FIELDS,
 })
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
                                "tool_choice", "parallel_tool_calls"}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +14,9 @@ from .queue import UserError
 from .security import clean_text
 
 MAX_TOOLS = 64
+# DRY as llama.cpp's server and vLLM's clients send it (top-level body fields); dry_include_prompt is this server's.
+DRY_FIELDS = ("dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+              "dry_include_prompt")
 
 
 def invalid(param: str, message: str) -> UserError:
@@ -37,7 +41,7 @@ def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1, logpr
         top_p=given("top_p", 1.0), top_k=given("top_k", 0), min_p=given("min_p", 0.0),
         repetition_penalty=given("repetition_penalty", 1.0), presence_penalty=given("presence_penalty", 0.0),
         frequency_penalty=given("frequency_penalty", 0.0), logit_bias=body.get("logit_bias"), seed=body.get("seed"),
-        stop=stop, n=given("n", 1), logprobs=logprobs)
+        stop=stop, n=given("n", 1), logprobs=logprobs, **dry(body))
     if score_prompt and (logprobs is not None or generation.max_new_tokens == 0):
         generation.prompt_logprobs = logprobs or 0
     try:
@@ -45,6 +49,21 @@ def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1, logpr
     except GenerationError as exc:
         raise invalid(exc.field, exc.message) from None
     return generation
+
+
+def dry(body: dict) -> dict[str, Any]:
+    """The DRY fields the body sends, as Generation's; a breaker string in text-generation-webui's form
+    ('"\\n", ":"', a JSON list without its brackets) becomes that list."""
+    out = {name: body[name] for name in DRY_FIELDS if body.get(name) is not None}
+    breakers = out.get("dry_sequence_breakers")
+    if isinstance(breakers, str):
+        try:
+            parsed = json.loads(f"[{breakers}]")
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list):
+            out["dry_sequence_breakers"] = parsed
+    return out
 
 
 def chat_logprobs(body: dict) -> int | None:

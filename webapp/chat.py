@@ -68,7 +68,7 @@ def chat_generation(payload: dict) -> Generation:
     cfg = current_app.config
     limit = cfg["MAX_NEW_TOKENS"]
     generation = Generation(max_new_tokens=payload.get("max_new_tokens", limit), temperature=cfg["TEMPERATURE"],
-                            top_p=cfg["TOP_P"], service_class=queue.served_class("interactive"))
+                            top_p=cfg["TOP_P"], service_class=queue.served_class("interactive"), **cfg["CHAT_DRY"])
     try:
         generation.check(max_tokens=limit)
     except GenerationError as exc:

@@ -170,21 +170,29 @@ def grounding_settings() -> dict | None:
 
 
 def chat_generation_settings() -> dict:
-    """The chat's answer cap and sampling (MAX_NEW_TOKENS, TEMPERATURE, TOP_P), checked against the limits every
-    request is held to (messaging/generation.py), so a value out of them stops the start instead of every answer."""
+    """The chat's answer cap and sampling (MAX_NEW_TOKENS, TEMPERATURE, TOP_P) and its DRY repetition guard
+    (DRY_MULTIPLIER, 0: off; DRY_BASE, DRY_ALLOWED_LENGTH; over each answer's own tokens, so an answer may quote
+    the facts in its prompt), checked against the limits every request is held to (messaging/generation.py), so a
+    value out of them stops the start instead of every answer."""
     try:
         cap = int(os.environ.get("MAX_NEW_TOKENS", "256"))
         temperature = float(os.environ.get("TEMPERATURE", "0.7"))
         top_p = float(os.environ.get("TOP_P", "0.9"))
+        dry = {"dry_multiplier": float(os.environ.get("DRY_MULTIPLIER", "0.8")),
+               "dry_base": float(os.environ.get("DRY_BASE", "1.75")),
+               "dry_allowed_length": int(os.environ.get("DRY_ALLOWED_LENGTH", "2")), "dry_include_prompt": False}
     except ValueError as exc:
-        raise ConfigError(f"MAX_NEW_TOKENS, TEMPERATURE and TOP_P must be numbers ({exc}); fix the environment "
-                          "(or .env).") from None
+        raise ConfigError(f"MAX_NEW_TOKENS, TEMPERATURE, TOP_P, DRY_MULTIPLIER, DRY_BASE and DRY_ALLOWED_LENGTH must "
+                          f"be numbers ({exc}); fix the environment (or .env).") from None
     try:
-        Generation(max_new_tokens=cap, temperature=temperature, top_p=top_p).check(
-            names={"max_new_tokens": "MAX_NEW_TOKENS", "temperature": "TEMPERATURE", "top_p": "TOP_P"})
+        Generation(max_new_tokens=cap, temperature=temperature, top_p=top_p, **dry).check(
+            names={"max_new_tokens": "MAX_NEW_TOKENS", "temperature": "TEMPERATURE", "top_p": "TOP_P",
+                   "dry_multiplier": "DRY_MULTIPLIER", "dry_base": "DRY_BASE",
+                   "dry_allowed_length": "DRY_ALLOWED_LENGTH"})
     except GenerationError as exc:
         raise ConfigError(f"{exc} Fix it in the environment (or .env).") from None
-    return {"MAX_NEW_TOKENS": cap, "TEMPERATURE": temperature, "TOP_P": top_p}
+    return {"MAX_NEW_TOKENS": cap, "TEMPERATURE": temperature, "TOP_P": top_p,
+            "CHAT_DRY": dry if dry["dry_multiplier"] > 0 else {}}
 
 
 def class_settings() -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
@@ -14,9 +15,11 @@ from messaging import jobs
 from messaging.contract import HEARTBEAT_PREFIX
 from messaging.generation import Generation
 
-from . import api_answers, api_params, keyring, limits, queue
+from . import api_answers, api_params, keyring, limits, protocol, queue
 from .queue import UserError
 from .security import clean_text
+
+log = logging.getLogger(__name__)
 
 bp = Blueprint("api", __name__, url_prefix="/v1")
 
@@ -26,18 +29,6 @@ MAX_MESSAGES = 500
 MAX_MODEL_CHARS = 256
 MAX_PROMPT_TOKENS = 32_768
 LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
-# Both endpoints: sampling, choices, streaming, the service tier (webapp/keyring.py), and bookkeeping that changes
-# nothing about the answer (accepted and ignored: user, metadata, store).
-COMMON_FIELDS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "logit_bias", "seed", "stop", "stream", "stream_options", "n", "logprobs",
-    "user", "metadata", "store", "service_tier", *api_params.DRY_FIELDS,
-})
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "response_format", "tools",
-                               "tool_choice", "parallel_tool_calls"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo", "best_of", "suffix"}
-# OpenAI parameters this server does not implement: accepted only at the value that means "not used".
-NEUTRAL = {"functions": [], "function_call": "none", "suffix": "", "best_of": 1}
 # An answer that sends nothing for this long is given up on: its worker died and it was not redelivered.
 SILENCE_LIMIT_S = 120
 
@@ -107,19 +98,6 @@ def read_json() -> dict:
         raise UserError("unsupported_media_type", f"The body is JSON but sent as {mimetype[:80]}; send it with "
                                                   "Content-Type: application/json.", status=415)
     return body
-
-
-def check_fields(body: dict, known: frozenset[str]) -> None:
-    for name, value in body.items():
-        if name in NEUTRAL:
-            if value is not None and value != NEUTRAL[name]:
-                raise UserError("unsupported_parameter", f"'{name}' is not supported by this server; remove it.",
-                                param=name)
-            continue
-        if name in known:
-            continue
-        raise UserError("unknown_parameter", f"Unrecognized request argument supplied: {name[:40]!r}. Remove it; "
-                                             "see GET /v1/models and the README for what this server takes.")
 
 
 def served_models() -> list[str]:
@@ -224,18 +202,20 @@ def parse_prompt(body: dict) -> str | list[int]:
 
 @bp.post("/chat/completions")
 def chat_completions():
-    return answer(read_chat, api_answers.chat_completion, api_answers.chat_stream)
+    return answer(protocol.ChatCompletionRequest, read_chat, api_answers.chat_completion, api_answers.chat_stream)
 
 
 @bp.post("/completions")
 def completions():
-    return answer(read_completion, api_answers.completion, api_answers.completion_stream)
+    return answer(protocol.CompletionRequest, read_completion, api_answers.completion,
+                  api_answers.completion_stream)
 
 
-def answer(read, whole, stream):
-    """Take a request in (`read` turns its body into a Request), then its answer whole or streamed."""
+def answer(schema: type[protocol.CommonRequest], read, whole, stream):
+    """Take a request in (its body checked against `schema`, then turned into a Request by `read`), then its
+    answer whole or streamed."""
     with queue.intake():   # taking the request in; its answer streams outside the gate
-        taken = take_request(read)
+        taken = take_request(schema, read)
     if not isinstance(taken, Taken):
         return taken   # the error response
     job, events, shape, streaming = taken
@@ -270,7 +250,6 @@ class Taken(NamedTuple):
 
 
 def read_chat(body: dict, model: str, include_usage: bool) -> Request:
-    check_fields(body, CHAT_FIELDS)
     messages = parse_messages(body)
     logprobs = api_params.chat_logprobs(body)
     generation = api_params.sampling(body, current_app.config["MAX_NEW_TOKENS"], logprobs=logprobs)
@@ -292,7 +271,6 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
 
 
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:
-    check_fields(body, COMPLETION_FIELDS)
     prompt = parse_prompt(body)
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
@@ -306,23 +284,19 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
                                                         include_usage=include_usage))
 
 
-def take_request(read) -> Taken | tuple:
+def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
     """Check, store and queue a completion request; its Taken, or the error response."""
     try:
         # Counted before the body is read, so floods of malformed requests are throttled too.
         limits.limit_message(api_session(), keyring.rate_limit())
         body = read_json()
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise api_params.invalid("stream", "'stream' must be true or false.")
-        options = body.get("stream_options") or {}
-        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
-            raise api_params.invalid("stream_options", "'stream_options' must be an object like "
-                                                       "{\"include_usage\": true}.")
-        model = body.get("model")
-        if model is not None and (not isinstance(model, str) or len(model) > MAX_MODEL_CHARS):
+        typed = protocol.read(schema, body)
+        stream = bool(typed.stream)
+        include_usage = typed.stream_options is not None and typed.stream_options.include_usage
+        model = typed.model
+        if model is not None and len(model) > MAX_MODEL_CHARS:
             raise api_params.invalid("model", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
-        request = read(body, model or served_models()[0], options.get("include_usage", False))
+        request = read(body, model or served_models()[0], include_usage)
         service_class = queue.served_class(keyring.service_class(body.get("service_tier")))
         queue.check_room(service_class)
         job = queue.new_job(request.messages, replace(request.generation, service_class=service_class),
@@ -331,6 +305,9 @@ def take_request(read) -> Taken | tuple:
         with current_app.extensions["db"]() as db:
             db.add(queue.record_for(job))
             db.commit()
+        if unused := {name: body[name] for name in protocol.NO_EFFECT if body.get(name) is not None}:
+            log.info("request %s: taken without effect on the answer: %s", job["request_id"],
+                     json.dumps(unused, ensure_ascii=False)[:500])
         events = subscribe(job)   # before sending: no event can slip past
         queue.send(job)
     except UserError as exc:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import threading
+import time
 
 import redis
 import requests
@@ -116,4 +117,41 @@ def test_a_dead_workers_requests_come_back_to_their_own_class_queue(stack, db):
     with db() as s:
         for rid in chat_ids:
             assert s.get(RequestRecord, rid).finished_at is not None
+    assert sum(queue_depths(r).values()) == 0
+
+
+def test_a_worker_full_of_bulk_requests_still_takes_a_chat_at_once(stack, db):
+    """The session's worker (4 slots): 8 task threads for standard and bulk requests, 4 kept for interactive ones.
+    With 12 long bulk answers sent, it takes 8 and leaves 4 in Redis, and a chat sent then starts before any of the
+    bulk answers ends (the engine preempts one for it)."""
+    url = stack.web_urls[0]
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    results: dict = {}
+
+    def bulk(i: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"Ticket {i}: summarise it."}], "max_tokens": 400,
+                "temperature": 0, "service_tier": "flex", "logit_bias": {"0": -100, "2": -100}}
+        response = requests.post(url + "/v1/chat/completions", json=body, timeout=300)
+        results[i] = (response.status_code, response.json())
+
+    threads = [threading.Thread(target=bulk, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: queue_depths(r)["bulk"] == 4 and r.hlen(LeasedChannel.unacked_key) == 8, 30,
+             "the worker holding 8 bulk requests and leaving 4")
+    time.sleep(1.0)
+    assert queue_depths(r)["bulk"] == 4, "a full worker takes no more bulk requests"
+    client = ChatClient(url)
+    try:
+        answer = client.ask("Where is my parcel?", timeout=120)
+    finally:
+        client.close()
+    for t in threads:
+        t.join(300)
+    assert all(status == 200 for status, _ in results.values()) and len(results) == 12
+    with db() as s:
+        chat = s.get(RequestRecord, answer["accepted"]["request_id"])
+        bulks = [s.get(RequestRecord, body["id"].removeprefix("chatcmpl-")) for _, body in results.values()]
+    assert chat.service_class == "interactive" and {b.service_class for b in bulks} == {"bulk"}
+    assert chat.first_token_at < min(b.finished_at for b in bulks), "the chat waited for a bulk answer to end"
     assert sum(queue_depths(r).values()) == 0

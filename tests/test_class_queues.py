@@ -100,7 +100,8 @@ def test_a_dead_workers_requests_come_back_to_their_own_class_queue(stack, db):
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     try:
         stack.start_worker(MAX_NUM_SEQS="1")
-        wait_for(lambda: r.hlen(LeasedChannel.unacked_key) == 2, 60, "the worker holding two requests")
+        # one slot: two task threads for standard and bulk requests, four kept for interactive ones
+        wait_for(lambda: r.hlen(LeasedChannel.unacked_key) == 4, 60, "the worker holding four requests")
         stack.kill_worker()
         held = [json.loads(raw)[0] for raw in r.hvals(LeasedChannel.unacked_key)]
         # kombu puts a message back where its routing key says: the queue of the request's class.
@@ -108,7 +109,8 @@ def test_a_dead_workers_requests_come_back_to_their_own_class_queue(stack, db):
         jobs = {m["headers"]["id"]: json.loads(base64.b64decode(m["body"]))[0][0] for m in held}
         for rid, route in routes.items():
             assert route == queue_for(jobs[rid]["params"].get("service_class")), (rid, route)
-        assert "generate.interactive" in routes.values()
+        assert sorted(routes.values()).count("generate.interactive") == 2
+        assert sum(depth for depth in queue_depths(r).values()) == 4, "the rest waited in Redis"
         stack.start_worker()   # restores the dead worker's messages once their leases lapse
         chat_ids = finish(clients, threads, results, 6)
     finally:

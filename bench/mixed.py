@@ -241,8 +241,8 @@ def share(v: float | None) -> str:
 
 def report(f: dict) -> None:
     alone = f["alone_chat_ttft_p50_s"]
-    print(f"chat TTFT alone (idle stack, the chats' question {f['chats_alone']} times, one at a time): p50 {alone:.2f} s, "
-          f"max {f['alone_chat_ttft_max_s']:.2f} s")
+    print(f"chat TTFT alone (idle stack, the chats' question {f['chats_alone']} times, one at a time): "
+          f"p50 {alone:.2f} s, max {f['alone_chat_ttft_max_s']:.2f} s")
     target = max(2 * alone, alone + 1)
     for h in f["halves"]:
         p50, p99 = h["chat_ttft_p50_s"], h["chat_ttft_p99_s"]

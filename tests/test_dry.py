@@ -308,3 +308,13 @@ def test_the_chat_page_asks_for_dry_on_its_answers_only_unless_turned_off(monkey
         with pytest.raises(config.ConfigError, match=f"{name}|fix the environment"):
             config.chat_generation_settings()
         monkeypatch.delenv(name)
+
+
+def test_the_loop_count_sees_a_five_word_run_three_times(tiny_model_dir) -> None:
+    from bench import loops
+
+    assert loops.loops("Your order is on its way. Your order is on its way, and your order is on its way!")
+    assert not loops.loops("Your order is on its way. Your order is on its way; your order is late.")
+    report = loops.main(["--model", str(tiny_model_dir), "--seeds", "1", "--max-new-tokens", "8",
+                         "--settings", "off", "0.8/1.75/2 answer"])
+    assert [s["answers"] for s in report["summary"].values()] == [len(loops.QUESTIONS)] * 2

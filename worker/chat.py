@@ -23,6 +23,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="float32, int4, int8, bfloat16, w8a8, or auto (the device's measured best)")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--dry-multiplier", type=float, default=float(os.environ.get("DRY_MULTIPLIER", "0.8")),
+                        help="the DRY repetition guard over each answer, as the chat page's (0: off)")
     args = parser.parse_args(argv)
 
     print("Loading the model...", flush=True)
@@ -39,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
             if not text:
                 continue
             history.append({"role": "user", "content": text})
-            params = SamplingParams(temperature=args.temperature, top_p=0.9, max_new_tokens=args.max_new_tokens)
+            params = SamplingParams(temperature=args.temperature, top_p=0.9, max_new_tokens=args.max_new_tokens,
+                                    dry_multiplier=args.dry_multiplier, dry_include_prompt=False)
             try:
                 stream = engine.submit(f"chat-{n}", messages=history, params=params)
             except (InvalidRequestError, InvalidParamsError) as exc:

@@ -17,6 +17,7 @@ from messaging.contract import CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, IN
 from messaging.queue import visibility_timeout
 from models.db import make_engine, make_session_factory
 from worker.engine import EngineConfig, LLMEngine
+from worker.engine.dry import DEFAULT_BREAKERS
 from worker.engine.sizing import default_slots
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
@@ -82,6 +83,8 @@ class WorkerRuntime:
             # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).
             self.engine = LLMEngine.launch(
                 lambda: LLMEngine(*load_model(s.model, s.device, s.dtype, weights=s.weights), config))
+            # DRY's default breakers as token ids now (about a second), not in the first chat's wait
+            self.engine.sampler.breakers(DEFAULT_BREAKERS)
         self.model_name = getattr(self.engine.runner.model, "name_or_source", s.model or "default")
         self.redis = redis_client(s.redis_url)
         self.metrics = WorkerMetrics(s.name, self.model_name)

@@ -217,8 +217,8 @@ def redeliveries(stack: Stack) -> int:
 def test_a_redis_restart_mid_answer_loses_no_request(infra, infra_db):
     stack, server = infra
     url = stack.web_urls[0]
-    # Five chat requests and one API request on a worker that takes four at a time (two slots, four task
-    # threads): two are generated, two wait in the engine, two wait in Redis's queue.
+    # Five chat requests and one API request on a worker of two slots (eight task threads: four for standard and
+    # bulk requests, four more that interactive ones may take): two are generated, the others wait in the engine.
     customers = [Customer(url) for _ in QUESTIONS]
     api: dict = {}
     before = redeliveries(stack)

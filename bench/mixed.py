@@ -5,8 +5,8 @@ One worker serves the whole run. Each half has a web process of its own on it: o
 chats are interactive, the bulk streams send service_tier "flex"), one with SERVICE_CLASSES=off (every request
 standard: one FIFO, as before classes existed). In each half the bulk streams (each a client that sends its next
 request as soon as one ends; the end-of-text tokens are biased away, so no answer ends before its max_tokens) run
-`--bulk-warmup` seconds, then `--bulk-window` seconds measure their tokens/s alone, then the chats arrive `--chat-interval`
-seconds apart, each a customer on its own Socket.IO connection asking once; their TTFT (send to first text) and the
+`--bulk-warmup` seconds, then `--bulk-window` seconds measure their tokens/s alone, then the chats arrive
+`--chat-interval` seconds apart, each a customer on its own Socket.IO connection asking once; their TTFT (send to first text) and the
 bulk tokens/s while they are answered are measured. Bulk tokens/s counts the tokens streamed to the bulk clients
 in a window (their text re-tokenized; the count is checked against the engine's usage figures of the answers that
 ended), divided by its length. Before both halves the chats are sent one at a time to the idle stack: their
@@ -227,7 +227,8 @@ def run(args, reqs: list[dict]) -> dict:
     alone_sorted = sorted(t for t in alone if t is not None)
     figures = {"mode": "mixed", "slots": args.slots, "bulk_streams": args.bulk_streams,
                "bulk_tokens": args.bulk_tokens, "chats": args.chats, "chat_interval_s": args.chat_interval,
-               "chat_tokens": args.chat_tokens, "chats_alone": len(alone_sorted), "alone_chat_ttft_p50_s": statistics.median(alone_sorted),
+               "chat_tokens": args.chat_tokens, "chats_alone": len(alone_sorted),
+               "alone_chat_ttft_p50_s": statistics.median(alone_sorted),
                "alone_chat_ttft_max_s": alone_sorted[-1], "halves": [h.figures() for h in halves]}
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))

@@ -68,8 +68,8 @@ def test_create_prints_the_key_once_and_stores_only_its_digest(database_url, cap
 
     code, out, _ = cli(capsys, "list")
     assert code == 0 and key not in out and key[:7] + "…" in out
-    assert re.search(r"^mobile-app\s+sb-\S{4}…\s+\d{4}-\d\d-\d\d \d\d:\d\d UTC\s+never\s+-\s+60/minute\s+standard\s+-$", out,
-                     re.M)
+    assert re.search(r"^mobile-app\s+sb-\S{4}…\s+\d{4}-\d\d-\d\d \d\d:\d\d UTC\s+never\s+-\s+60/minute"
+                     r"\s+standard\s+-$", out, re.M)
 
 
 def test_revoke_and_delete(database_url, capsys):

@@ -91,7 +91,7 @@ def test_an_unknown_service_tier_is_a_400_naming_the_allowed_values(make_app, re
     assert sum(r for r in map(redis.Redis.from_url(redis_url).llen, CLASS_QUEUES.values())) == 0
 
 
-def test_priority_from_a_key_without_the_right_is_a_400_until_an_operator_allows_it(make_app, sessions, redis_url):  # noqa: F811,E501
+def test_priority_from_a_key_without_the_right_is_a_400_until_it_is_allowed(make_app, sessions, redis_url):  # noqa: F811
     client = make_app().test_client()
     with sessions() as db:
         _, key = keys.create(db, "app")

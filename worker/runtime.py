@@ -75,7 +75,8 @@ class WorkerRuntime:
         config = EngineConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
                               kv_cache_memory_gib=s.kv_cache_gib, gpu_memory_utilization=s.gpu_memory_utilization,
                               enforce_eager=s.enforce_eager, attention_backend=s.attention_backend,
-                              decode_attention=s.decode_attention, overlap_steps=s.overlap_steps)
+                              decode_attention=s.decode_attention, overlap_steps=s.overlap_steps,
+                              bulk_token_share=s.bulk_token_share)
         if s.synthetic_token_rate:   # benchmarks of the web tier only (bench/synthetic.py)
             from bench.synthetic import SyntheticEngine
             self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs or default_slots("cpu"))

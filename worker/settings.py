@@ -72,6 +72,8 @@ class WorkerSettings:
     # Unset: the device's default (off).
     overlap_steps: bool | None = field(default_factory=lambda: _switch("OVERLAP_STEPS", off=False))
     gpu_memory_utilization: float = field(default_factory=lambda: _float("GPU_MEMORY_UTILIZATION", 0.9))
+    # While bulk requests wait, their share of each step's token budget (EngineConfig.bulk_token_share).
+    bulk_token_share: float = field(default_factory=lambda: _float("BULK_TOKEN_SHARE", 0.1))
     # After SIGTERM, answers under way have this long to finish before they go back to the queue.
     shutdown_grace_s: float = field(default_factory=lambda: _float("SHUTDOWN_GRACE_S", 15))
     # How long a finished answer waits for the database (its final write) and for Redis (its final event)

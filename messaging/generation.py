@@ -64,6 +64,9 @@ class Generation:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     seed: int | None = None              # None: drawn when the request is accepted (webapp/queue.py)
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0                  # EOS and stop strings wait until the answer has this many tokens (vLLM's)
+    ignore_eos: bool = False             # EOS does not end the answer (vLLM's)
+    skip_special_tokens: bool = True     # special tokens are left out of the text (vLLM's)
     n: int = 1
     logprobs: int | None = None          # alternatives per answer token; None: no log-probabilities
     prompt_logprobs: int | None = None   # the same for the prompt's tokens (scoring, /v1/completions' echo)
@@ -118,6 +121,13 @@ class Generation:
             integer("seed", 0, MAX_SEED)
         self._check_stop(name("stop"))
         integer("n", 1, MAX_CHOICES, " (send several requests for more)")
+        integer("min_tokens", 0, MAX_TOKENS)
+        if self.min_tokens > self.max_new_tokens:
+            raise GenerationError(name("min_tokens"), f"'{name('min_tokens')}' ({self.min_tokens}) must not be more than "
+                                                      f"'{name('max_new_tokens')}' ({self.max_new_tokens}).")
+        for f in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, f), bool):
+                raise GenerationError(name(f), f"'{name(f)}' must be true or false; got {shown(getattr(self, f))}.")
         for f in ("logprobs", "prompt_logprobs"):
             if getattr(self, f) is not None:
                 integer(f, 0, MAX_LOGPROBS)

@@ -132,3 +132,25 @@ def test_fields_without_effect_are_taken_and_logged(stack):
     log = (stack.workdir / f"web{stack.web_urls[0].rsplit(':', 1)[1]}.log").read_text()
     rid = reply.json()["id"].removeprefix("chatcmpl-")
     assert any(rid in line and "T-991" in line and "customer-7" in line for line in log.splitlines())
+
+
+def test_vllms_extras_are_taken_from_the_body(stack, tokenizer):
+    """min_tokens, ignore_eos and skip_special_tokens as vLLM's clients send them, on an answer whose every pick
+    would be EOS."""
+    eos = tokenizer.eos_token_id
+    base = {"messages": MESSAGES, "temperature": 0, "max_tokens": 10, "logit_bias": {str(eos): 100}}
+
+    def ask(**extra) -> dict:
+        response = post(stack, "/v1/chat/completions", {**base, **extra})
+        assert response.status_code == 200, response.text
+        return response.json()
+
+    plain, longer = ask(), ask(min_tokens=5)
+    assert plain["usage"]["completion_tokens"] == 1 and plain["choices"][0]["finish_reason"] == "stop"
+    assert longer["usage"]["completion_tokens"] == 6 and longer["choices"][0]["finish_reason"] == "stop"
+    hidden, shown = ask(ignore_eos=True, max_tokens=3), ask(ignore_eos=True, max_tokens=3, skip_special_tokens=False)
+    assert hidden["usage"]["completion_tokens"] == 3 and hidden["choices"][0]["finish_reason"] == "length"
+    assert hidden["choices"][0]["message"]["content"] == ""
+    assert shown["choices"][0]["message"]["content"] == tokenizer.eos_token * 3
+    too_many = post(stack, "/v1/chat/completions", {**base, "min_tokens": 11})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"

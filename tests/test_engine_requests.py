@@ -403,6 +403,54 @@ def test_greedy_presence_frequency_and_bias_follow_a_plain_decoding_loop(tiny, r
     assert got != reference(ref_model, ids, 16)
 
 
+# ---- vLLM's extras: min_tokens, ignore_eos, skip_special_tokens -----------------------------------------------
+
+def test_min_tokens_keeps_eos_out_until_the_answer_is_long_enough(tiny):
+    """EOS biased to be every token's pick: alone it ends the answer at once; with min_tokens it cannot be drawn
+    (for any choice) until the answer has that many tokens, and is the first token after."""
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    eos = tok.eos_token_id
+    ids = chat_ids(tok, QUESTIONS[0])
+    engine.add_request("plain", prompt_token_ids=ids, params=greedy(20, logit_bias={eos: 100.0}))
+    engine.add_request("min", prompt_token_ids=ids, params=greedy(20, logit_bias={eos: 100.0}, min_tokens=5))
+    engine.add_request("sampled", prompt_token_ids=ids, params=SamplingParams(
+        temperature=1.0, seed=3, n=2, max_new_tokens=20, logit_bias={eos: 100.0}, min_tokens=7))
+    done = run_all(engine)[0]
+    assert done["plain"].completion_tokens == 1 and done["plain"].finish_reason == "stop"
+    assert done["min"].completion_tokens == 6 and done["min"].finish_reason == "stop"
+    assert eos not in done["min"].token_ids[:5] and done["min"].token_ids[5] == eos
+    assert done["sampled"].completion_tokens == 8 and eos not in done["sampled"].token_ids[:7]
+
+
+def test_stop_strings_count_only_from_min_tokens_on(tiny):
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    ids = chat_ids(tok, QUESTIONS[1])
+    engine.add_request("full", prompt_token_ids=ids, params=greedy(24, ignore_eos=True))
+    full = run_all(engine)[0]["full"]
+    first = tok.decode(full.token_ids[:1])   # the answer's first token's text: a stop string at once
+    engine.add_request("cut", prompt_token_ids=ids, params=greedy(24, ignore_eos=True, stop=[first]))
+    engine.add_request("late", prompt_token_ids=ids, params=greedy(24, ignore_eos=True, stop=[first], min_tokens=24))
+    done = run_all(engine)[0]
+    assert done["cut"].finish_reason == "stop" and done["cut"].text == ""
+    assert done["late"].finish_reason == "length" and done["late"].text == full.text
+
+
+def test_skip_special_tokens_false_shows_them_in_the_text(tiny):
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    eos = tok.eos_token_id
+    ids = chat_ids(tok, QUESTIONS[2])
+    for rid, skip in (("skip", True), ("show", False)):
+        engine.add_request(rid, prompt_token_ids=ids, params=greedy(
+            3, ignore_eos=True, logit_bias={eos: 100.0}, skip_special_tokens=skip))
+    done, deltas = run_all(engine)
+    assert done["skip"].token_ids == done["show"].token_ids == [eos] * 3
+    assert done["skip"].text == "" and done["show"].text == tok.eos_token * 3
+    assert "".join(deltas["show"]) == done["show"].text
+
+
 # ---- token bytes --------------------------------------------------------------------------------------------------
 
 def test_token_bytes_of_a_byte_level_vocabulary(tokenizer):

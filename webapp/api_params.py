@@ -41,7 +41,8 @@ def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1, logpr
         top_p=given("top_p", 1.0), top_k=given("top_k", 0), min_p=given("min_p", 0.0),
         repetition_penalty=given("repetition_penalty", 1.0), presence_penalty=given("presence_penalty", 0.0),
         frequency_penalty=given("frequency_penalty", 0.0), logit_bias=body.get("logit_bias"), seed=body.get("seed"),
-        stop=stop, n=given("n", 1), logprobs=logprobs, **dry(body))
+        stop=stop, n=given("n", 1), logprobs=logprobs, min_tokens=given("min_tokens", 0),
+        ignore_eos=given("ignore_eos", False), skip_special_tokens=given("skip_special_tokens", True), **dry(body))
     if score_prompt and (logprobs is not None or generation.max_new_tokens == 0):
         generation.prompt_logprobs = logprobs or 0
     try:

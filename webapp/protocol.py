@@ -48,6 +48,9 @@ class CommonRequest(BaseModel):
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None
+    min_tokens: StrictInt | None = None           # vLLM's
+    ignore_eos: StrictBool | None = None          # vLLM's
+    skip_special_tokens: StrictBool | None = None  # vLLM's
     dry_multiplier: Number | None = None           # DRY, as llama.cpp's server and vLLM's clients send it
     dry_base: Number | None = None
     dry_allowed_length: StrictInt | None = None

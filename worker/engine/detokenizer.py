@@ -10,7 +10,7 @@ except ImportError:   # tokenizers without a streaming decoder: every tokenizer 
     DecodeStream = None
 
 
-def _stream_for(tokenizer):
+def _stream_for(tokenizer, skip_special_tokens: bool = True):
     """(Rust tokenizer, its streaming decoder) when the tokenizer has one that decodes as it does, else
     (None, None)."""
     backend = getattr(tokenizer, "_tokenizer", None)
@@ -18,7 +18,7 @@ def _stream_for(tokenizer):
         return None, None
     if getattr(tokenizer, "clean_up_tokenization_spaces", False):   # a Python pass the stream does not make
         return None, None
-    return backend, DecodeStream(skip_special_tokens=True)
+    return backend, DecodeStream(skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -31,20 +31,22 @@ class IncrementalDetokenizer:
     deltas always add up to the final text.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.skip_special_tokens = skip_special_tokens
+        self.armed = True   # False: stop strings are not looked for yet (min_tokens); text shown meanwhile stays
         self.ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
         self.emitted = 0
         self.stopped = False
-        self.backend, self.stream = _stream_for(tokenizer)
+        self.backend, self.stream = _stream_for(tokenizer, skip_special_tokens)
         self.fed = 0   # tokens the stream has seen
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def _advance(self, final: bool) -> None:
         if self.stream is not None and not final:
@@ -78,7 +80,7 @@ class IncrementalDetokenizer:
 
     def _release(self, final: bool) -> str:
         upto = len(self.text)
-        if self.stop and not self.stopped:
+        if self.stop and not self.stopped and self.armed:
             cut = self._find_stop()
             if cut is not None:
                 self.text = self.text[:cut]

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -190,14 +191,20 @@ class LLMEngine:
             self.sampler.breakers(tuple(params.dry_sequence_breakers))
         seed = params.seed if params.seed is not None else random_seed()
         arrival_time = arrival_time or time.time()
+        # Until min_tokens, EOS is masked out of the draw (a bias of -inf) and stop strings are not looked for.
+        early = replace(params, logit_bias={**(params.logit_bias or {}), **dict.fromkeys(self.eos_ids, -math.inf)}) \
+            if params.min_tokens > 0 and not params.ignore_eos else None
         group = [Sequence(
             request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=arrival_time,
-            seed=choice_seed(seed, index), detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            seed=choice_seed(seed, index),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
             index=index, matcher=self.grammars.matcher(params.structure) if params.structure is not None else None,
-            prompt_logprobs=[None] if params.prompt_logprobs is not None else [], service_class=service_class)
+            prompt_logprobs=[None] if params.prompt_logprobs is not None else [], service_class=service_class,
+            early_params=early)
             for index in range(params.n)]
         for seq in group:
             seq.group = group
+            seq.detokenizer.armed = params.min_tokens == 0
         return group[0]
 
     # ---- synchronous API: the caller drives step() -------------------------------------------
@@ -341,7 +348,7 @@ class LLMEngine:
         """The sampler over the sequences' rows: their tokens as a device tensor, and the packed log-probabilities
         of those whose requests asked (None when none did). Constrained rows get their grammar's masks, which
         need every row's last token known."""
-        params, seeds = [s.params for s in sampling], [s.seed for s in sampling]
+        params, seeds = [s.draw_params for s in sampling], [s.seed for s in sampling]
         masks = None
         if any(s.matcher is not None for s in sampling):
             masks = self.grammars.masks([s.matcher for s in sampling], logits.device)
@@ -495,6 +502,8 @@ class LLMEngine:
             seq.first_token_time = now
             if seq.index == 0:
                 prompt = seq.prompt_logprobs_result()
+        if not seq.detokenizer.armed and seq.num_completion_tokens >= seq.params.min_tokens:
+            seq.detokenizer.armed = True   # stop strings count from here on (not in the text shown before)
         text = seq.detokenizer.push([token])
         events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]

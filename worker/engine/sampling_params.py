@@ -29,6 +29,8 @@ class SamplingParams:
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    min_tokens: int = 0  # EOS cannot be drawn and stop strings are not looked for until the answer has this many
+    skip_special_tokens: bool = True  # special tokens (EOS under ignore_eos, say) are left out of the text
     presence_penalty: float = 0.0  # subtracted once from each token generated so far (OpenAI's semantics)
     frequency_penalty: float = 0.0  # subtracted once per time each token was generated so far
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, before anything else
@@ -85,8 +87,11 @@ class SamplingParams:
             _check_int("max_new_tokens", self.max_new_tokens, lambda v: v >= 0,
                        "must be an integer >= 0 (0 only scores the prompt, with prompt_logprobs)")
         self._validate_stop()
-        if not isinstance(self.ignore_eos, bool):
-            raise InvalidParamsError(f"ignore_eos must be true or false; got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParamsError(f"{name} must be true or false; got {getattr(self, name)!r}")
+        _check_int("min_tokens", self.min_tokens, lambda v: 0 <= v <= max(self.max_new_tokens, 0),
+                   "must be an integer from 0 to max_new_tokens")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_real(name, getattr(self, name), lambda v: True, "must be a finite number (0 = disabled)")
         _check_real("min_p", self.min_p, lambda v: 0 <= v <= 1, "must be between 0 and 1 (0 = disabled)")

@@ -54,6 +54,7 @@ class Sequence:
     logprobs: list[TokenLogprob] = field(default_factory=list)   # per completion token, when asked
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # per prompt token, when asked
     service_class: str = "standard"                      # one of SERVICE_CLASSES
+    early_params: SamplingParams | None = None           # drawn with until min_tokens: params with EOS masked out
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -81,6 +82,13 @@ class Sequence:
     @property
     def num_completion_tokens(self) -> int:
         return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def draw_params(self) -> SamplingParams:
+        """What the next token is drawn with: EOS masked out while the answer is shorter than min_tokens."""
+        if self.early_params is not None and self.num_completion_tokens < self.params.min_tokens:
+            return self.early_params
+        return self.params
 
     @property
     def num_uncomputed(self) -> int:

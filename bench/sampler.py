@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -15,6 +16,7 @@ import torch
 
 from bench.engine import DEFAULT_WORKLOAD, load_workload
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
+from worker.engine.dry import BreakerTokens
 from worker.engine.sampler import Sampler
 from worker.model_loader import load_model
 
@@ -24,7 +26,12 @@ KINDS: dict[str, dict] = {
     "all_processors": SAMPLED,
     "top_p_no_top_k": dict(temperature=0.7, top_p=0.95, repetition_penalty=1.1),
     "temperature_only": dict(temperature=0.6),
+    "chat": dict(temperature=0.7, top_p=0.9),
+    # the chat page's DRY; the bench's histories are all answer, so every prompt token is in the window (the
+    # engine's chat rows look at their answer only: less work than this)
+    "chat_dry": dict(temperature=0.7, top_p=0.9, dry_multiplier=0.8),
 }
+NEW_ONLY = {"chat_dry"}   # kinds the previous sampler cannot do
 
 
 class PreviousSampler:
@@ -117,11 +124,13 @@ def sampler_table(model, tokenizer, rows_list: list[int], repeats: int, workload
     results = []
     for rows in rows_list:
         logits, histories = model_logits(model, tokenizer, rows, workload)
+        breakers = BreakerTokens(tokenizer)
         for kind, config in KINDS.items():
             params = [SamplingParams(**config)] * rows
-            new = time_calls(Sampler(), logits, params, histories, repeats)
-            sort = time_calls(Sampler(candidates=0), logits, params, histories, repeats)
-            old = time_calls(PreviousSampler(), logits, params, histories, repeats)
+            new = time_calls(Sampler(breakers=breakers), logits, params, histories, repeats)
+            sort = time_calls(Sampler(candidates=0, breakers=breakers), logits, params, histories, repeats)
+            old = time_calls(PreviousSampler(), logits, params, histories, repeats) if kind not in NEW_ONLY \
+                else math.nan
             results.append({"rows": rows, "vocab": logits.shape[1], "kind": kind, "new_ms": new * 1e3,
                             "full_sort_ms": sort * 1e3, "previous_ms": old * 1e3})
         greedy = next(r["new_ms"] for r in results if r["rows"] == rows and r["kind"] == "greedy")
@@ -199,6 +208,10 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(f"{r['rows']:>5} {r['kind']:<18} {r['new_ms']:>9.2f} {r['full_sort_ms']:>13.2f} {r['previous_ms']:>12.2f} "
               f"{r['new_vs_greedy']:>9.2f}x {r['speedup_vs_previous']:>8.2f}x")
+    for r in rows:
+        if r["kind"] == "chat_dry":
+            chat = next(c["new_ms"] for c in rows if c["rows"] == r["rows"] and c["kind"] == "chat")
+            print(f"DRY at {r['rows']} rows: {r['new_ms'] / chat:.2f}x the chat's sampling without it")
     result = {"info": info, "sampler": rows}
     if args.engine_slots:
         engine = engine_table(args.model, tokenizer, args.engine_slots, args.engine_requests,

@@ -15,6 +15,7 @@ from openai.types.completion_choice import Logprobs
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from tests.test_api_parity import ESCALATE, LOOKUP
+from worker.engine.detokenizer import BYTE_DECODER, token_bytes
 from tests.test_api_stack import MESSAGES
 
 
@@ -154,3 +155,19 @@ def test_vllms_extras_are_taken_from_the_body(stack, tokenizer):
     assert shown["choices"][0]["message"]["content"] == tokenizer.eos_token * 3
     too_many = post(stack, "/v1/chat/completions", {**base, "min_tokens": 11})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "min_tokens"
+
+
+def test_logprobs_report_each_tokens_own_bytes(stack, tokenizer):
+    """A token holding the first byte of a three-byte character ("€" is E2 82 AC) reads as U+FFFD, but its bytes
+    are its own: [0xE2], not U+FFFD's three."""
+    stand_in = next(c for c, b in BYTE_DECODER.items() if b == 0xE2)
+    first = tokenizer.convert_tokens_to_ids(stand_in)
+    assert token_bytes(tokenizer, [first]) == [b"\xe2"]
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 2, "logprobs": True, "top_logprobs": 2,
+            "logit_bias": {str(first): 100}}
+    reply = post(stack, "/v1/chat/completions", body).json()
+    content = reply["choices"][0]["logprobs"]["content"]
+    assert [entry["bytes"] for entry in content] == [[0xE2], [0xE2]]
+    assert [entry["token"] for entry in content] == ["\ufffd", "\ufffd"]
+    for alternative in (a for entry in content for a in entry["top_logprobs"]):   # the model's own picks
+        assert bytes(alternative["bytes"]).decode("utf-8", "replace") == alternative["token"]

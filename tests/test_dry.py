@@ -15,11 +15,10 @@ from worker.engine.sequence import PENDING
 from worker.model_loader import load_model
 
 VOCAB = 40
-HEADS = {0: (7,), 1: (8, 9)}          # a toy vocabulary: breaker "." is token 7, "|" is token 8 or 9
-SEQUENCES = {0: ((30, 31),), 1: ()}   # and "ab" is written 30 31
 
 
 def toy_breakers(strings: tuple[str, ...]) -> Breakers:
+    """A toy vocabulary's breakers: "." is token 7, "|" token 8 or 9, and "ab" is written 30 31."""
     heads, sequences = set(), set()
     for s in strings:
         if s == ".":

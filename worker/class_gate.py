@@ -65,7 +65,11 @@ class ClassGate(bootsteps.StartStopStep):
 
     def start(self, c) -> None:
         global _gate
-        self.consumer, self.paused, _gate = c, False, self
+        # Also after a lost broker connection, when Celery starts the consumer again from the queues still selected:
+        # a queue paused then is taken up again by the next check.
+        consuming = c.app.amqp.queues.consume_from
+        self.consumer, _gate = c, self
+        self.paused = any(name not in consuming for name in GATED)
         if self.limit:
             self.tref = c.timer.call_repeatedly(CHECK_S, self.check, priority=10)
             self.check()

@@ -11,6 +11,11 @@ DEFAULT_CLASS = "standard"
 GENERATE_TASK = "supportbot.generate"
 CANCEL_CHANNEL = "supportbot:cancel"            # web -> worker: abort this request id
 HEARTBEAT_PREFIX = "supportbot:workers:"        # worker -> web: a key per live worker, short TTL
+# worker -> web: one hash of every worker's model, {worker name: {"model", "time"}}, refreshed with the heartbeat,
+# so /v1/models reads one key instead of scanning the keyspace; an entry older than MODEL_ENTRY_TTL_S is a gone
+# worker's.
+MODELS_KEY = "supportbot:models"
+MODEL_ENTRY_TTL_S = 10
 METRICS_PREFIX = "supportbot:metrics:"          # + worker name: that worker's latest Prometheus exposition text
 SOCKETIO_CHANNEL = "flask-socketio"             # Flask-SocketIO's message queue channel, shared by every web process
 # worker -> every web process: batches of answer events (text deltas, ends) for any number of requests;

@@ -13,10 +13,15 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+# An API request's worker has begun it (before its first token): the web's answer timeout counts from here, so time
+# spent waiting in the queue is not taken for a silent worker.
+STARTED = "started"
+
 
 @dataclass(frozen=True)
 class StreamEvent:
-    """`token` {request_id, text, offset}, `done` or `error` (the chat's own event bodies), and where it goes."""
+    """`token` {request_id, text, offset}, `done` or `error` (the chat's own event bodies), `started` {request_id}
+    (API requests only), and where it goes."""
 
     name: str
     data: dict

@@ -48,6 +48,8 @@ class RequestRecord(Base):
     api_key: Mapped[str | None] = mapped_column(String(64))
     # interactive, standard or bulk (messaging/classes.py); None on records written before classes existed.
     service_class: Mapped[str | None] = mapped_column(String(16))
+    # An API request's x-request-id (the client's own, or one the web app made); None for chat messages.
+    http_request_id: Mapped[str | None] = mapped_column(String(128))
 
     @property
     def queue_wait(self) -> float | None:

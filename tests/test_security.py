@@ -213,11 +213,13 @@ def test_a_sliding_window_refuses_the_extra_event_and_says_when_to_retry(redis_u
     r = redis.Redis.from_url(redis_url)
     r.flushdb()
     rule = limits.Rule(3, 60)
-    assert [limits.hit(r, [("k", rule)])[0] for _ in range(3)] == [0, 0, 0]
-    wait, _ = limits.hit(r, [("k", rule)])
-    assert 0 < wait <= 60
+    outcomes = [limits.hit(r, [("k", rule)]) for _ in range(3)]
+    assert [o.wait for o in outcomes] == [0, 0, 0] and [o.remaining for o in outcomes] == [2, 1, 0]
+    assert all(o.limit == 3 and 0 < o.reset_s <= 60 for o in outcomes)
+    refused = limits.hit(r, [("k", rule)])
+    assert 0 < refused.wait <= 60 and refused.remaining == 0 and refused.reset_s == refused.wait
     # A refused event is not recorded, and a check against several keys records in none when one is full.
-    assert limits.hit(r, [("other", rule), ("k", rule)])[0] > 0
+    assert limits.hit(r, [("other", rule), ("k", rule)]).wait > 0
     assert r.zcard(limits.PREFIX + "other") == 0 and r.zcard(limits.PREFIX + "k") == 3
 
 

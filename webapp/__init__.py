@@ -28,7 +28,8 @@ def create_app(overrides: dict | None = None) -> Flask:
     stream = app.extensions["stream"] = StreamQueue(app.config["REDIS_URL"])
     socketio.init_app(app, client_manager=stream, async_mode=async_mode(), max_http_buffer_size=SOCKET_BUFFER_BYTES)
 
-    from . import api, auth, chat, dashboard, health, keyring, limits, metrics, security
+    from . import api, auth, chat, dashboard, headers, health, keyring, limits, metrics, security
+    headers.init_app(app)   # first: every response, errors included, carries the request's id
     try:
         limits.init_app(app)
     except ValueError as exc:

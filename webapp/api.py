@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
@@ -12,10 +13,11 @@ from flask import Blueprint, Flask, Response, current_app, request, stream_with_
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
 from messaging import jobs
-from messaging.contract import HEARTBEAT_PREFIX
+from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
 
-from . import api_answers, api_params, keyring, limits, protocol, queue
+from . import api_answers, api_params, headers, keyring, limits, protocol, queue
+from .disconnect import client_gone
 from .queue import UserError
 from .security import clean_text
 
@@ -29,8 +31,8 @@ MAX_MESSAGES = 500
 MAX_MODEL_CHARS = 256
 MAX_PROMPT_TOKENS = 32_768
 LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
-# An answer that sends nothing for this long is given up on: its worker died and it was not redelivered.
-SILENCE_LIMIT_S = 120
+# A request whose client waits for the whole answer checks this often that the client is still there.
+CLIENT_CHECK_S = 1.0
 
 
 def error_response(exc: UserError):
@@ -101,8 +103,10 @@ def read_json() -> dict:
 
 
 def served_models() -> list[str]:
-    r = current_app.extensions["redis"]
-    names = {json.loads(r.get(key) or "{}").get("model") for key in r.scan_iter(HEARTBEAT_PREFIX + "*")}
+    """The models the live workers serve: one hash read (MODELS_KEY), never a scan of Redis's keyspace."""
+    now = time.time()
+    entries = [json.loads(raw) for raw in current_app.extensions["redis"].hvals(MODELS_KEY)]
+    names = {e.get("model") for e in entries if now - float(e.get("time", 0)) < MODEL_ENTRY_TTL_S}
     return sorted(n for n in names if n) or ["supportbot"]
 
 
@@ -222,14 +226,23 @@ def answer(schema: type[protocol.CommonRequest], read, whole, stream):
     if streaming:
         return Response(stream_with_context(stream(job, events, shape)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    final = None
+    final, checked = None, time.monotonic()
     for event in events:
-        if event["event"] != "token":
+        if time.monotonic() - checked >= CLIENT_CHECK_S:
+            checked = time.monotonic()
+            if client_gone():   # nobody will read the answer: free its slot at the engine's next step
+                events.close()
+                queue.cancel(job["request_id"])
+                return error_response(UserError("client_closed", "The client closed the connection; the request "
+                                                                 "was cancelled.", status=499))
+        if event["event"] not in ("token", "waiting"):
             final = event
     if final is None or final["event"] == "error":
+        retryable = final is None or final["retryable"]
         return error_response(UserError(final["code"] if final else "timeout",
                                         final["message"] if final else "The answer did not arrive; retry.",
-                                        retryable=True, status=400 if final and not final["retryable"] else 503))
+                                        retryable=retryable, status=503 if retryable else 400,
+                                        retry_after=queue.OUTAGE_RETRY_S if retryable else None))
     return whole(job, shape, final)
 
 
@@ -302,19 +315,25 @@ def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
         job = queue.new_job(request.messages, replace(request.generation, service_class=service_class),
                             source="api", channel=True,
                             api_key=keyring.current_name(), extra=request.extra)
+        record = queue.record_for(job)
+        record.http_request_id = headers.request_id()
         with current_app.extensions["db"]() as db:
-            db.add(queue.record_for(job))
+            db.add(record)
             db.commit()
         if unused := {name: body[name] for name in protocol.NO_EFFECT if body.get(name) is not None}:
             log.info("request %s: taken without effect on the answer: %s", job["request_id"],
                      json.dumps(unused, ensure_ascii=False)[:500])
-        events = subscribe(job)   # before sending: no event can slip past
+        log.info("request %s accepted as %s", record.http_request_id, job["request_id"])
+        events = subscribe(job, stream)   # before sending: no event can slip past
         queue.send(job)
     except UserError as exc:
         return error_response(exc)
     return Taken(job, events, request.shape, stream)
 
 
-def subscribe(job: dict) -> Iterator[dict]:
-    # Survives a Redis restart: see queue.subscribe.
-    return queue.subscribe(job, SILENCE_LIMIT_S)
+def subscribe(job: dict, streaming: bool) -> Iterator[dict]:
+    """The job's events (they survive a Redis restart: see queue.subscribe). While none comes, a stream hears of it
+    every API_KEEPALIVE_S (for its keep-alive comments), a client waiting for the whole answer every second."""
+    cfg = current_app.config
+    return queue.subscribe(job, queue.Waits(answer_s=cfg["API_ANSWER_TIMEOUT_S"], queue_s=cfg["API_QUEUE_TIMEOUT_S"],
+                                            tick_s=cfg["API_KEEPALIVE_S"] if streaming else CLIENT_CHECK_S))

@@ -44,16 +44,23 @@ def call_scope(job: dict, index: int) -> str:
     return job["request_id"] if index == 0 else f"{job['request_id']}:{index}"
 
 
+# An SSE comment: clients skip it, and proxies that close idle connections see traffic.
+KEEP_ALIVE = ": keep-alive\n\n"
+
+
 def error_event(event: dict) -> str:
     return f"data: {json.dumps({'error': {'message': event['message'], 'code': event['code']}})}\n\n"
 
 
 def streamed(job: dict, body: Callable[[], Iterator[str]]) -> Iterator[str]:
-    """A stream's chunks, ended by [DONE]; `body` returns True once the answer's end was sent. A client that goes
+    """A stream's chunks, ended by [DONE]; `body` returns True once the answer's end (or an error) was sent, and
+    a stream whose events stopped without one ends with an error chunk, never a bare [DONE]. A client that goes
     away mid-answer frees its slot."""
     ended = False
     try:
         ended = yield from body()
+        if not ended:
+            yield error_event({"code": "timeout", "message": "The answer stopped arriving; send the request again."})
         yield "data: [DONE]\n\n"
     finally:
         if not ended:
@@ -101,7 +108,9 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
         for i in range(n):
             yield chunk(i, {"role": "assistant", "content": ""})
         for event in events:
-            if event["event"] == "token":
+            if event["event"] == "waiting":   # nothing to send for API_KEEPALIVE_S
+                yield KEEP_ALIVE
+            elif event["event"] == "token":
                 i, text = event.get("index", 0), event["text"]
                 deltas = [d.to_openai() for d in parsers[i].feed(text)] if parsers else \
                     [{"content": text}] if text else []
@@ -201,7 +210,9 @@ def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterat
                 yield token_chunk(event, offsets, chunk)
 
         for event in events:
-            if event["event"] == "token":
+            if event["event"] == "waiting":   # nothing to send for API_KEEPALIVE_S
+                yield KEEP_ALIVE
+            elif event["event"] == "token":
                 if prompt is None and "prompt" in event:
                     prompt = echoed(event)
                 if prompt is None:

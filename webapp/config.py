@@ -154,6 +154,12 @@ def load() -> dict:
         "MAX_MESSAGE_CHARS": int(os.environ.get("MAX_MESSAGE_CHARS", "4000")),
         "QUEUE_LIMIT": optional_int("QUEUE_LIMIT"),   # None: follows the workers' slots (webapp/capacity.py)
         **chat_generation_settings(),
+        # An API answer that sends nothing for this long once a worker has started it is cancelled and ends with
+        # a `timeout` error; a request no worker started within API_QUEUE_TIMEOUT_S is cancelled the same way.
+        "API_ANSWER_TIMEOUT_S": float(os.environ.get("API_ANSWER_TIMEOUT_S", "120")),
+        "API_QUEUE_TIMEOUT_S": float(os.environ.get("API_QUEUE_TIMEOUT_S", "600")),
+        # A streamed answer with nothing to send this long sends an SSE comment, so proxies keep it open.
+        "API_KEEPALIVE_S": float(os.environ.get("API_KEEPALIVE_S", "15")),
         **chat_tools_settings(),
         **class_settings(),
         "CHAT_GROUNDING": grounding_settings(),

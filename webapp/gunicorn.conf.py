@@ -25,7 +25,7 @@ timeout = 60                   # a worker whose event loop stalls this long is r
 accesslog = os.environ.get("WEB_ACCESS_LOG") or None   # e.g. "-" for stdout; off by default: one line per poll
 # gunicorn's default, spelled out because it must name no request header: Authorization carries API keys
 # (%(u)s is only the user name of Basic auth, never a password or a bearer token).
-access_log_format = '%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s"'
+access_log_format = '%(h)s %(l)s %(u)s %(t)s "%(r)s" %(s)s %(b)s "%(f)s" "%(a)s" %({x-request-id}o)s'
 errorlog = "-"
 control_socket_disable = True   # gunicorn's control socket is one path per user: several web processes would share it
 loglevel = os.environ.get("WEB_LOG_LEVEL", "info")

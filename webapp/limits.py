@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
-from flask import Flask, current_app, request
+from flask import Flask, current_app, g, request
 
 from .queue import UserError
 
@@ -52,31 +52,53 @@ def parse_rule(text: str | None, name: str) -> Rule | None:
 class RateLimited(UserError):
     """Too many requests for now; `retry_after` says in how many seconds one will be accepted again."""
 
-    def __init__(self, retry_after: int, message: str) -> None:
+    def __init__(self, retry_after: int, message: str, outcome: Outcome | None = None) -> None:
         super().__init__("rate_limited", message, retryable=True, status=429)
         self.retry_after = retry_after
+        self.outcome = outcome
 
 
 # Checks every (key, rule) pair first and records the event in all of them only if each has room,
-# so a refused request costs nothing and two processes cannot both take the last slot.
+# so a refused request costs nothing and two processes cannot both take the last slot. Returns the wait (0: allowed)
+# and the tightest rule's limit, the room it has left after this event, and the seconds until a slot comes back.
 _HIT = """
 local now, member = tonumber(ARGV[1]), ARGV[2]
-local wait = 0
+local wait, left, limit_of, reset = 0, nil, 0, 0
 for i, key in ipairs(KEYS) do
   local period, limit = tonumber(ARGV[1 + 2 * i]), tonumber(ARGV[2 + 2 * i])
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now - period)
-  if redis.call('ZCARD', key) >= limit then
+  local count = redis.call('ZCARD', key)
+  if count >= limit then
     local oldest = redis.call('ZRANGE', key, -limit, -limit, 'WITHSCORES')
     wait = math.max(wait, tonumber(oldest[2]) + period - now)
   end
+  if left == nil or limit - count < left then
+    left, limit_of = limit - count, limit
+    local first = redis.call('ZRANGE', key, 0, 0, 'WITHSCORES')
+    reset = first[2] and (tonumber(first[2]) + period - now) or period
+  end
 end
-if wait > 0 then return tostring(wait) end
+if wait > 0 then return {tostring(wait), tostring(limit_of), '0', tostring(wait)} end
 for i, key in ipairs(KEYS) do
   redis.call('ZADD', key, now, member)
   redis.call('EXPIRE', key, math.ceil(tonumber(ARGV[1 + 2 * i])) + 1)
 end
-return '0'
+return {'0', tostring(limit_of), tostring(math.max(0, left - 1)), tostring(reset)}
 """
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """One checked event: `wait` seconds before it would be allowed (0: allowed and counted), its id, and the
+    tightest rule's `limit`, `remaining` room after it and seconds until a slot comes back (`reset_s`); the
+    `x-ratelimit-*` headers report these. `limit` is None when no rule applies."""
+
+    wait: float
+    member: str
+    limit: int | None = None
+    remaining: int | None = None
+    reset_s: float = 0.0
+
 
 _CONNECT = """
 local now, ttl, limit, member = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
@@ -88,22 +110,22 @@ return 1
 """
 
 
-def hit(r: redis.Redis, checks: list[tuple[str, Rule | None]]) -> tuple[float, str]:
-    """Record one event against every configured (key, rule); (seconds to wait, event id). 0 means allowed."""
+def hit(r: redis.Redis, checks: list[tuple[str, Rule | None]]) -> Outcome:
+    """Record one event against every configured (key, rule), all at once or not at all."""
     active = [(key, rule) for key, rule in checks if rule is not None]
     member = uuid.uuid4().hex
     if not active:
-        return 0.0, member
+        return Outcome(0.0, member)
     args: list = [time.time(), member]
     for _, rule in active:
         args += [rule.period, rule.limit]
     try:
-        wait = float(r.eval(_HIT, len(active), *(PREFIX + key for key, _ in active), *args))
+        wait, limit, remaining, reset = r.eval(_HIT, len(active), *(PREFIX + key for key, _ in active), *args)
     except redis.RedisError as exc:
         # Without Redis nothing can be queued either; the caller's next step reports that clearly.
         log.warning("rate limit not checked: %s", exc)
-        return 0.0, member
-    return wait, member
+        return Outcome(0.0, member)
+    return Outcome(float(wait), member, int(float(limit)), int(float(remaining)), float(reset))
 
 
 def refund(r: redis.Redis, keys: list[str], member: str) -> None:
@@ -119,14 +141,14 @@ def retry_after(wait: float) -> int:
     return max(1, math.ceil(wait))
 
 
-def check(r: redis.Redis, checks: list[tuple[str, Rule | None]], what: str) -> str:
-    """Raise RateLimited when any of the checks is exhausted; the event's id otherwise."""
-    wait, member = hit(r, checks)
-    if wait > 0:
-        seconds = retry_after(wait)
+def check(r: redis.Redis, checks: list[tuple[str, Rule | None]], what: str) -> Outcome:
+    """Raise RateLimited when any of the checks is exhausted; the counted event otherwise."""
+    outcome = hit(r, checks)
+    if outcome.wait > 0:
+        seconds = retry_after(outcome.wait)
         raise RateLimited(seconds, f"Too many {what} in a short time; please wait {seconds} "
-                                   f"second{'s' if seconds != 1 else ''} and try again.")
-    return member
+                                   f"second{'s' if seconds != 1 else ''} and try again.", outcome)
+    return outcome
 
 
 class ConnectionCounter:
@@ -234,12 +256,16 @@ def limit_message(session_key: str | None, per_key: tuple[str, Rule] | None = No
         checks.append((f"messages:session:{digest(session_key)}", lim.per_session))
     if per_key:
         checks.append((f"messages:key:{per_key[0]}", per_key[1]))
-    check(current_app.extensions["redis"], checks, "messages")
+    try:
+        g.rate_limit = check(current_app.extensions["redis"], checks, "messages")
+    except RateLimited as exc:
+        g.rate_limit = exc.outcome
+        raise
 
 
 def limit_login(username: str) -> tuple[list[str], str]:
     """One login attempt per address and per username; the keys and event id let a success be refunded."""
     lim: Limits = current_app.extensions["limits"]
     keys = [f"login:ip:{client_address()}", f"login:user:{digest(username.strip().lower())}"]
-    member = check(current_app.extensions["redis"], [(key, lim.login) for key in keys], "login attempts")
-    return keys, member
+    outcome = check(current_app.extensions["redis"], [(key, lim.login) for key in keys], "login attempts")
+    return keys, outcome.member

@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import UTC, datetime
 
 import redis
@@ -23,6 +23,7 @@ from messaging.classes import RETRY_AFTER_S
 from messaging.generation import Generation
 from messaging.jobs import service_class
 from messaging.queue import queue_depths
+from messaging.stream import STARTED
 from models import RequestRecord
 
 from . import capacity
@@ -55,9 +56,14 @@ def intake() -> threading.BoundedSemaphore:
     return _intake
 
 
+# Seconds a client is asked to wait (Retry-After) when Redis or the database is briefly away.
+OUTAGE_RETRY_S = 5
+
+
 def unavailable() -> UserError:
     return UserError("queue_unavailable", "The assistant cannot take messages for a moment; please send yours "
-                                          "again in a few seconds.", retryable=True, status=503)
+                                          "again in a few seconds.", retryable=True, status=503,
+                     retry_after=OUTAGE_RETRY_S)
 
 
 def served_class(service_class: str) -> str:
@@ -139,9 +145,9 @@ def mark_unqueued(request_id: str, exc: Exception) -> None:
         log.warning("could not record that %s was not queued: %s", request_id, db_exc)
 
 
-def cancel(request_id: str) -> bool:
+def cancel(request_id: str, r: redis.Redis | None = None) -> bool:
     """Stop an answer; False when Redis is down (the answer then runs to its end and is stored)."""
-    r = current_app.extensions["redis"]
+    r = r if r is not None else current_app.extensions["redis"]
     try:
         r.set(cancelled_key(request_id), 1, ex=3600)   # for a worker that has not started it yet
         r.publish(CANCEL_CHANNEL, request_id)           # for the worker that is answering it
@@ -151,27 +157,45 @@ def cancel(request_id: str) -> bool:
     return True
 
 
-def subscribe(job: dict, silence_limit_s: float) -> Iterator[dict]:
+@dataclass(frozen=True)
+class Waits:
+    """How long an API listener waits: for a worker to start the request (`queue_s`), then for each next event
+    (`answer_s`); `tick_s`: how often it says it is still waiting (a `waiting` event) while nothing comes."""
+
+    answer_s: float
+    queue_s: float
+    tick_s: float
+
+
+def subscribe(job: dict, waits: Waits) -> Iterator[dict]:
     """The job's events, ending with `done` or `error`; call it before sending the job, so none slips past.
 
     They come through this web process's one subscription to the workers' stream (webapp/stream.py). Redis
     going away does not end them: the subscription is renewed once Redis is back, and a final event
     published meanwhile is read from where the worker keeps it. Text deltas lost in between are made up from
-    the final text, so the deltas always add up to exactly the answer.
+    the final text, so the deltas always add up to exactly the answer. While nothing comes, a `waiting` event
+    every `waits.tick_s`; past a wait's limit the request is cancelled and ends with a `timeout` error.
     """
     stream = current_app.extensions["stream"]
     stream.start()
-    return _events(current_app.extensions["redis"], stream, job["request_id"], silence_limit_s)
+    return _events(current_app.extensions["redis"], stream, job["request_id"], waits)
 
 
-def _events(r: redis.Redis, stream, request_id: str, silence_limit_s: float) -> Iterator[dict]:
+def _events(r: redis.Redis, stream, request_id: str, waits: Waits) -> Iterator[dict]:
     events = stream.wait_for(request_id)
     text = _Deltas()
-    heard = checked = time.monotonic()
+    started = False   # a worker began the request: from then on the answer's own limit counts
+    heard = checked = said = time.monotonic()
     try:
-        while time.monotonic() - heard < silence_limit_s:
+        while True:
+            limit = waits.answer_s if started else waits.queue_s
+            if time.monotonic() - heard >= limit:
+                # Cancelled, so a client that sends the request again does not have it answered twice.
+                cancel(request_id, r)
+                yield timed_out(request_id, started, limit)
+                return
             try:
-                event = events.get(timeout=1.0)
+                event = events.get(timeout=min(1.0, waits.tick_s))
             except queue.Empty:
                 event = None
                 if time.monotonic() - checked > FINAL_CHECK_S:
@@ -179,14 +203,27 @@ def _events(r: redis.Redis, stream, request_id: str, silence_limit_s: float) -> 
                     event = _kept_final(r, request_id)
             if event is not None and event.get("stored"):   # too large for the stream: read where it is kept
                 event = _kept_final(r, request_id)
-            if event is None:
+            if event is None or event["event"] == STARTED:
+                if event is not None:
+                    started, heard = True, time.monotonic()
+                if time.monotonic() - said >= waits.tick_s:
+                    said = time.monotonic()
+                    yield {"event": "waiting", "request_id": request_id}
                 continue
-            heard = time.monotonic()
-            yield from text.feed(event)
+            started, heard = True, time.monotonic()
+            for out in text.feed(event):
+                said = time.monotonic()
+                yield out
             if event["event"] in ("done", "error"):
                 return
     finally:
         stream.stop_waiting(request_id)
+
+
+def timed_out(request_id: str, started: bool, limit: float) -> dict:
+    what = "sent nothing" if started else "was not started by any worker"
+    return {"event": "error", "request_id": request_id, "code": "timeout", "retryable": True,
+            "message": f"The answer {what} for {limit:.0f} seconds, so it was cancelled; send the request again."}
 
 
 def _kept_final(r: redis.Redis, request_id: str) -> dict | None:

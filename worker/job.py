@@ -7,12 +7,14 @@ import time
 from datetime import UTC, datetime
 from functools import partial
 
+import redis
 from celery.exceptions import Reject
 from sqlalchemy.exc import IntegrityError
 
 from messaging.contract import cancelled_key, streamed_key
 from messaging.generation import Generation, GenerationError
 from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable, service_class
+from messaging.stream import STARTED
 from models import Message, RequestRecord
 from structured import Structure, StructureError, Tool, ToolError
 from worker import assistant
@@ -24,6 +26,8 @@ from worker.runtime import Unavailable, WorkerRuntime
 
 log = logging.getLogger(__name__)
 
+# While an answer runs, how often its cancel key is looked at.
+CANCEL_CHECK_S = 1.0
 # Errors the client caused: they say what to change, and sending the request again does not help.
 CLIENT_ERRORS = ("prompt_too_long", "invalid_request")
 
@@ -78,6 +82,7 @@ class Job:
         if self.was_cancelled():
             self.fail("cancelled", "The request was cancelled before it started.")
             return
+        self.announce_start()
         # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
         # so the customer's stream resumes after what an earlier delivery already showed.
         shown = self.streamed_chars()
@@ -164,7 +169,13 @@ class Job:
     def conclude(self, pending: Answer) -> None:
         """Wait while the publisher streams the text, then store the answer and send its end."""
         try:
-            pending.wait()
+            # A cancel normally reaches the engine through the cancel channel at once; one published while this
+            # worker could not hear it (a pause, a Redis reconnection) is found by its key within CANCEL_CHECK_S.
+            aborted = False
+            while pending.wait(CANCEL_CHECK_S) is None:
+                if not aborted and self.was_cancelled():
+                    self.rt.engine.abort(self.request_id)
+                    aborted = True
         except BaseException:   # interrupted while waiting: free the slot rather than generate for nobody
             self.rt.engine.abort(self.request_id)
             raise
@@ -197,6 +208,16 @@ class Job:
         rt = self.rt
         return bool(rt.redis_retrying(lambda: rt.redis.exists(cancelled_key(self.request_id)),
                                       "checking for a cancellation"))
+
+    def announce_start(self) -> None:
+        """Tell the web process an API client waits on that a worker has begun: its answer timeout counts from here,
+        not from when the request was queued. Best effort: without it the first token says the same."""
+        if not self.spec.get("channel"):
+            return
+        try:
+            self.rt.emit(STARTED, {"request_id": self.request_id}, self.spec)
+        except redis.RedisError as exc:
+            log.debug("could not say that %s started: %s", self.request_id, exc)
 
     def finish(self, event: str, payload: dict) -> None:
         self.rt.finish(event, payload, self.spec)

@@ -54,9 +54,12 @@ class Answer:
             self.shown = max(shown, end)
         return new, end - len(new)
 
-    def wait(self) -> RequestFinished:
-        """The request's last end; `choices` then holds every choice's."""
-        return self.ends.get()
+    def wait(self, timeout: float | None = None) -> RequestFinished | None:
+        """The request's last end (`choices` then holds every choice's), or None when `timeout` passes first."""
+        try:
+            return self.ends.get(timeout=timeout)
+        except queue.Empty:
+            return None
 
     def ordered(self) -> list[RequestFinished]:
         return [self.choices[i] for i in sorted(self.choices)]

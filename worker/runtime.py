@@ -13,7 +13,8 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from messaging.connections import redis_client
-from messaging.contract import CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, final_key, job_key
+from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, MODELS_KEY,
+                                final_key, job_key)
 from messaging.queue import visibility_timeout
 from models.db import make_engine, make_session_factory
 from worker.engine import EngineConfig, LLMEngine
@@ -30,6 +31,8 @@ from worker.token_json import TokenJson
 log = logging.getLogger(__name__)
 
 HEARTBEAT_TTL_S = 10
+PRUNE_EVERY = 30        # heartbeats (2 s apart) between sweeps of gone workers' model entries
+GONE_AFTER_S = 3600
 # After Redis was unreachable, a final event is said twice (ECHO_DELAY_S apart) for this long: a web
 # process may still be resubscribing when the first one goes out (clients ignore the repeat).
 ECHO_WINDOW_S = 15
@@ -204,18 +207,31 @@ class WorkerRuntime:
     def _beat(self) -> None:
         """A key with a short TTL: /readyz sees a live worker while it keeps being refreshed, and the web app
         sizes its queue and connection limits from the capacity it announces."""
-        announced = capacity(self.engine)
+        announced, beats = capacity(self.engine), 0
         while not self.stopped.is_set():
             stats = self.engine.stats()
             try:
                 self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
                     "kv_usage": stats.kv_usage, **announced, "time": time.time()}), ex=HEARTBEAT_TTL_S)
+                self.redis.hset(MODELS_KEY, self.settings.name, json.dumps({"model": self.model_name,
+                                                                            "time": time.time()}))
+                if (beats := beats + 1) % PRUNE_EVERY == 0:
+                    forget_gone_workers(self.redis)
                 self.metrics.publish(self.redis, stats)
             except redis.RedisError as exc:
                 self.redis_failed_at = time.monotonic()
                 log.debug("no heartbeat this time: %s", exc)
             self.stopped.wait(2)
+
+
+def forget_gone_workers(r: redis.Redis) -> None:
+    """Drop the model entries of workers silent for an hour (their names are never used again after a restart)."""
+    now = time.time()
+    gone = [name for name, raw in r.hgetall(MODELS_KEY).items()
+            if now - float(json.loads(raw).get("time", 0)) > GONE_AFTER_S]
+    if gone:
+        r.hdel(MODELS_KEY, *gone)
 
 
 def capacity(engine) -> dict:

@@ -1,0 +1,176 @@
+"""The API's edges through the real stack: clients that leave, workers that go silent, time spent in the queue."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from urllib.parse import urlsplit
+
+import redis
+import requests
+from sqlalchemy import select
+
+from messaging.contract import streamed_key
+from models import RequestRecord
+from tests.stack import wait_for
+
+MESSAGES = [{"role": "system", "content": "You answer questions about orders."},
+            {"role": "user", "content": "Can I change the delivery address of order 1234?"}]
+
+
+@contextmanager
+def worker_paused(stack) -> Iterator[None]:
+    """SIGSTOP the worker, as a hung process or a stalled GPU would stop it, and let it go on afterwards. Kept
+    shorter than VISIBILITY_TIMEOUT (6 s in tests), so its leases stand."""
+    os.kill(stack.worker.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(stack.worker.pid, signal.SIGCONT)
+
+
+def newest_api_record(db, since: datetime) -> RequestRecord | None:
+    with db() as s:
+        return s.scalars(select(RequestRecord).where(RequestRecord.source == "api", RequestRecord.enqueued_at >= since)
+                         .order_by(RequestRecord.enqueued_at.desc())).first()
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it(stack, db):
+    url = urlsplit(stack.web_with(MAX_NEW_TOKENS="2000"))
+    body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 2000}).encode()
+    since = datetime.now(UTC).replace(microsecond=0)
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        wait_for(lambda: newest_api_record(db, since) is not None, 30, "the request's record")
+        request_id = newest_api_record(db, since).request_id
+        wait_for(lambda: int(r.get(streamed_key(request_id)) or 0) > 0, 60, "the answer under way")
+    # The socket is closed: the web process sees it within a second and cancels the answer.
+
+    def cancelled() -> bool:
+        with db() as s:
+            return s.get(RequestRecord, request_id).finish_reason == "cancelled"
+
+    wait_for(cancelled, 60, "the cancelled record")
+    with db() as s:
+        assert s.get(RequestRecord, request_id).completion_tokens < 2000
+
+
+def test_a_silent_stream_keeps_alive_then_ends_with_an_error_and_its_answer_is_cancelled(stack, db):
+    url = stack.web_with(MAX_NEW_TOKENS="2000", API_ANSWER_TIMEOUT_S="3", API_KEEPALIVE_S="0.5")
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 2000, "stream": True}
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        # The answer's first text: the worker has started it (the role chunk before it is the web's own).
+        first = next(line for line in lines if line.startswith(b"data: {") and json.loads(line[6:])["choices"][0]
+                     ["delta"].get("content"))
+        with worker_paused(stack):
+            rest = [line for line in lines if line]
+    request_id = json.loads(first[6:])["id"].removeprefix("chatcmpl-")
+    assert b": keep-alive" in rest
+    assert rest[-1] == b"data: [DONE]"
+    error = json.loads(rest[-2][6:])["error"]
+    assert error["code"] == "timeout" and "send the request again" in error["message"]
+
+    def cancelled() -> bool:
+        with db() as s:
+            return s.get(RequestRecord, request_id).finish_reason == "cancelled"
+
+    wait_for(cancelled, 60, "the cancelled record")   # a client's retry will not find it still running
+
+
+def test_time_in_the_queue_does_not_count_against_the_answer_timeout(stack):
+    url = stack.web_with(API_ANSWER_TIMEOUT_S="3")
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 8}
+    result: dict = {}
+
+    def ask() -> None:
+        result["response"] = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+    with worker_paused(stack):   # no worker takes the request for longer than the answer timeout
+        thread = threading.Thread(target=ask)
+        thread.start()
+        time.sleep(4.5)
+    thread.join(60)
+    response = result["response"]
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"]
+
+
+def test_every_response_carries_a_request_id_the_clients_own_when_it_sent_one(stack, db):
+    base = stack.web_urls[0]
+    made = requests.get(base + "/healthz", timeout=10).headers["x-request-id"]
+    assert made.startswith("req_") and made != requests.get(base + "/healthz", timeout=10).headers["x-request-id"]
+    refused = requests.post(base + "/v1/chat/completions", json={"messages": []}, timeout=10,
+                            headers={"X-Request-Id": "client-refused-1"})
+    assert refused.status_code == 400 and refused.headers["x-request-id"] == "client-refused-1"
+    unusable = requests.get(base + "/healthz", headers={"X-Request-Id": "has spaces\tand tabs"}, timeout=10)
+    assert unusable.headers["x-request-id"].startswith("req_")
+    answered = requests.post(base + "/v1/chat/completions", headers={"X-Request-Id": "client-answered-1"},
+                             json={"messages": MESSAGES, "temperature": 0, "max_tokens": 4}, timeout=60)
+    assert answered.status_code == 200 and answered.headers["x-request-id"] == "client-answered-1"
+    with db() as s:
+        record = s.get(RequestRecord, answered.json()["id"].removeprefix("chatcmpl-"))
+        assert record.http_request_id == "client-answered-1"
+
+
+def test_rate_limited_requests_carry_openais_headers_and_retry_after(stack):
+    url = stack.web_with(RATE_LIMIT_PER_IP="3/minute", TRUSTED_PROXY_HOPS="1")
+    address = {"X-Forwarded-For": f"198.51.100.{int(time.time()) % 200 + 1}"}   # a budget of this test's own
+    seen = []
+    for _ in range(4):   # counted before the body is read: a body that is not JSON is enough
+        response = requests.post(url + "/v1/chat/completions", data="not json", headers=address, timeout=10)
+        seen.append((response.status_code, response.headers.get("x-ratelimit-limit-requests"),
+                     response.headers.get("x-ratelimit-remaining-requests"), response.headers.get("Retry-After")))
+        last = response
+    assert seen[:3] == [(400, "3", "2", None), (400, "3", "1", None), (400, "3", "0", None)]
+    status, limit, remaining, retry_after = seen[3]
+    assert (status, limit, remaining) == (429, "3", "0") and 1 <= int(retry_after) <= 60
+    assert last.headers["x-ratelimit-reset-requests"].endswith("s")
+
+
+def test_a_request_no_worker_starts_in_time_is_a_503_with_retry_after_and_is_cancelled(stack, db):
+    url = stack.web_with(API_QUEUE_TIMEOUT_S="2")
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 4}
+    with worker_paused(stack):
+        response = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+    assert response.status_code == 503 and int(response.headers["Retry-After"]) > 0
+    assert response.json()["error"]["code"] == "timeout"
+    request_id = response.headers["x-request-id"]
+    with db() as s:
+        record = s.scalars(select(RequestRecord).where(RequestRecord.http_request_id == request_id)).one()
+
+    def ended_as_cancelled() -> bool:   # the worker, once back, does not answer it: the client's retry is new
+        with db() as s:
+            found = s.get(RequestRecord, record.request_id)
+            return found.finished_at is not None and "cancelled" in (found.error or "")
+
+    wait_for(ended_as_cancelled, 60, "the cancelled request's record")
+
+
+def test_the_models_list_reads_no_keyspace_scan(stack, tiny_model_dir):
+    url = stack.web_urls[0]
+    monitor = redis.Redis.from_url(stack.env["REDIS_URL"]).monitor()
+    commands: list[str] = []
+    with monitor as m:
+        listen = m.listen()
+        for _ in range(5):
+            assert [e["id"] for e in requests.get(url + "/v1/models", timeout=10).json()["data"]] == \
+                [str(tiny_model_dir)]
+        requests.get(url + "/healthz", timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            command = next(listen)["command"]
+            commands.append(command)
+            if sum(c.startswith("HVALS supportbot:models") for c in commands) >= 5:
+                break
+    assert sum(c.startswith("HVALS supportbot:models") for c in commands) >= 5
+    assert not [c for c in commands if c.startswith(("SCAN", "KEYS"))]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import redis
 import requests
 
-from bench.stack import Stack, _close_all, _Customer, _socketio
+from bench.stack_parts import Stack, _close_all, _Customer, _socketio
 from messaging.queue import queue_depths
 
 BULK_TASK = ("Summarise this support ticket for the back office in detail, step by step, with every fact and "

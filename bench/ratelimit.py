@@ -77,10 +77,10 @@ def race(check, rules: list[tuple[str, Rule]], threads: int, tries: int) -> int:
     return sum(admitted)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.ratelimit", description=__doc__.splitlines()[0])
     parser.add_argument("--checks", type=int, default=3000, help="checks timed per way")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         proc, url = start_redis(Path(tmp), persist=False)
         try:

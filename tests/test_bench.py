@@ -356,3 +356,14 @@ def test_stack_bench_mixed_runs_chats_beside_bulk_streams_with_classes_on_and_of
         assert set(half["bulk_finish_reasons"]) == {"length"}
     assert figures["alone_chat_ttft_p50_s"] > 0
     assert json.loads((tmp_path / "mixed.json").read_text())["halves"][0]["chats"] == 3
+
+
+def test_the_rate_limit_bench_measures_the_script_against_the_limits_package(capsys):
+    pytest.importorskip("limits", reason="pip install -r requirements-test.txt")
+    from bench import ratelimit
+
+    ratelimit.main(["--checks", "20"])
+    out = capsys.readouterr().out
+    assert "1.00x the Lua script's time" in out and out.count("x the Lua script's time") == 5
+    # Refused requests spend nothing with the script; with a hit of each rule they drain the address's budget.
+    assert "lua (one EVAL, all rules)                        admitted 5, address slots left for everyone else 45" in out

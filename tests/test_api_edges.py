@@ -17,12 +17,38 @@ import redis
 import requests
 from sqlalchemy import select
 
+import pytest
+
 from messaging.contract import streamed_key
 from models import RequestRecord
-from tests.stack import wait_for
+from models.db import make_engine, make_session_factory, upgrade
+from tests.stack import Stack, base_env, wait_for
+from worker.local_redis import start_redis
 
 MESSAGES = [{"role": "system", "content": "You answer questions about orders."},
             {"role": "user", "content": "Can I change the delivery address of order 1234?"}]
+
+
+@pytest.fixture(scope="module")
+def own_stack(tmp_path_factory, tiny_model_dir):
+    """A stack of these tests' own, whose worker they pause: the session's stack never sees a paused worker."""
+    workdir = tmp_path_factory.mktemp("edges")
+    redis_proc, redis_url = start_redis(workdir / "redis")
+    database_url = f"sqlite:///{workdir / 'chat.db'}"
+    upgrade(database_url)
+    s = Stack(workdir, base_env(redis_url, database_url, tiny_model_dir, workdir))
+    try:
+        s.start_worker()
+        yield s
+    finally:
+        s.stop()
+        redis_proc.terminate()
+        redis_proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def own_db(own_stack):
+    return make_session_factory(make_engine(own_stack.env["DATABASE_URL"]))
 
 
 @contextmanager
@@ -64,7 +90,8 @@ def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it(stack, db):
         assert s.get(RequestRecord, request_id).completion_tokens < 2000
 
 
-def test_a_silent_stream_keeps_alive_then_ends_with_an_error_and_its_answer_is_cancelled(stack, db):
+def test_a_silent_stream_keeps_alive_then_ends_with_an_error_and_its_answer_is_cancelled(own_stack, own_db):
+    stack, db = own_stack, own_db
     url = stack.web_with(MAX_NEW_TOKENS="2000", API_ANSWER_TIMEOUT_S="3", API_KEEPALIVE_S="0.5")
     body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 2000, "stream": True}
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=60) as response:
@@ -87,7 +114,8 @@ def test_a_silent_stream_keeps_alive_then_ends_with_an_error_and_its_answer_is_c
     wait_for(cancelled, 60, "the cancelled record")   # a client's retry will not find it still running
 
 
-def test_time_in_the_queue_does_not_count_against_the_answer_timeout(stack):
+def test_time_in_the_queue_does_not_count_against_the_answer_timeout(own_stack):
+    stack = own_stack
     url = stack.web_with(API_ANSWER_TIMEOUT_S="3")
     body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 8}
     result: dict = {}
@@ -137,7 +165,8 @@ def test_rate_limited_requests_carry_openais_headers_and_retry_after(stack):
     assert last.headers["x-ratelimit-reset-requests"].endswith("s")
 
 
-def test_a_request_no_worker_starts_in_time_is_a_503_with_retry_after_and_is_cancelled(stack, db):
+def test_a_request_no_worker_starts_in_time_is_a_503_with_retry_after_and_is_cancelled(own_stack, own_db):
+    stack, db = own_stack, own_db
     url = stack.web_with(API_QUEUE_TIMEOUT_S="2")
     body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 4}
     with worker_paused(stack):

@@ -145,9 +145,11 @@ def test_every_response_carries_a_request_id_the_clients_own_when_it_sent_one(st
     answered = requests.post(base + "/v1/chat/completions", headers={"X-Request-Id": "client-answered-1"},
                              json={"messages": MESSAGES, "temperature": 0, "max_tokens": 4}, timeout=60)
     assert answered.status_code == 200 and answered.headers["x-request-id"] == "client-answered-1"
+    request_id = answered.json()["id"].removeprefix("chatcmpl-")
     with db() as s:
-        record = s.get(RequestRecord, answered.json()["id"].removeprefix("chatcmpl-"))
-        assert record.http_request_id == "client-answered-1"
+        assert s.get(RequestRecord, request_id).http_request_id == "client-answered-1"
+    log = stack.workdir / f"web{urlsplit(base).port}.log"   # the web process's log names both ids together
+    wait_for(lambda: f"request client-answered-1 accepted as {request_id}" in log.read_text(), 10, "the log line")
 
 
 def test_rate_limited_requests_carry_openais_headers_and_retry_after(stack):

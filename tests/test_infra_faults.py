@@ -23,7 +23,8 @@ from models.db import make_engine, make_session_factory, upgrade
 from tests.clients import disconnect
 from tests.stack import RedisServer, Stack, base_env, throwaway_database, wait_for
 from webapp.queue import new_job, record_for
-from messaging.contract import QUEUE, job_key
+from messaging.contract import job_key
+from messaging.queue import queue_depths
 from messaging.generation import Generation
 from worker.leases import LeasedChannel
 from worker.local_redis import free_port
@@ -177,8 +178,9 @@ def infra_db_url(request, tmp_path_factory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def infra(tmp_path_factory, tiny_model_dir, infra_db_url) -> Iterator[tuple[Stack, RedisServer]]:
-    """Redis with its append-only file, one worker with two slots (taking four requests at a time: the rest wait
-    in Redis's queue), one web process with answers of a couple of seconds, and a database of its own."""
+    """Redis with its append-only file, one worker with two slots (taking four standard or bulk requests at a time,
+    and four more interactive ones: the rest wait in Redis's queues), one web process with answers of a couple of
+    seconds, and a database of its own."""
     workdir = tmp_path_factory.mktemp("infra")
     server = RedisServer(workdir / "redis")
     server.start()
@@ -207,7 +209,7 @@ def worker_log(stack: Stack) -> str:
 def assert_nothing_left(redis_url: str) -> None:
     """No request waits in the queue or sits unacknowledged: nothing will be handed out again later."""
     r = redis.Redis.from_url(redis_url)
-    wait_for(lambda: r.llen(QUEUE) == 0 and r.hlen(LeasedChannel.unacked_key) == 0, 30, "acks")
+    wait_for(lambda: sum(queue_depths(r).values()) == 0 and r.hlen(LeasedChannel.unacked_key) == 0, 30, "acks")
 
 
 def redeliveries(stack: Stack) -> int:

@@ -27,7 +27,8 @@ from models.db import make_engine, make_session_factory, upgrade
 from tests.load.report import summarize
 from tests.load.runner import LoadConfig, Run, open_loop
 from tests.stack import ROOT, Stack
-from messaging.contract import HEARTBEAT_PREFIX, QUEUE
+from messaging.contract import HEARTBEAT_PREFIX
+from messaging.queue import queue_depths
 from worker.local_redis import start_redis
 
 
@@ -96,7 +97,7 @@ def wait_idle(stack: Stack, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         beats = [json.loads(r.get(k) or "{}") for k in r.scan_iter(HEARTBEAT_PREFIX + "*")]
-        if r.llen(QUEUE) == 0 and not any(b.get("running") or b.get("waiting") for b in beats):
+        if sum(queue_depths(r).values()) == 0 and not any(b.get("running") or b.get("waiting") for b in beats):
             return
         time.sleep(1)
 

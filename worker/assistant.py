@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 MAX_TOOL_ROUNDS = 2
 # A forced call is never shown to the customer, so the chat's answer cap does not bind it; this does.
 CALL_TOKENS = 128
+# After a lead, the model's line ends the answer: past it, a small model wanders (more dates, tool syntax copied
+# from its prompt; bench.answers).
+LEAD_STOPS = ("\n", "<tool")
 # The tools this worker runs itself: name -> (session, arguments) -> result.
 EXECUTORS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {LOOKUP_ORDER: order_tool.lookup_order}
 
@@ -113,6 +116,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         if led:
             relay.show(lead_text + " ")
             ids, lead_text = ids + lead_ids, ""
+            params = replace(params, stop=(*params.stop, *LEAD_STOPS))
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
         stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"),
                                   service_class=service_class(job))

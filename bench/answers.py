@@ -203,6 +203,9 @@ def summary(answered: list[Answered]) -> dict[str, str]:
 def cost(engine, sessions, cases: list[Case], params, seed: int) -> dict[str, float]:
     """One request at a time (nothing else in the batch): the lookups' time, and the time to first token without
     grounding and with it (the lookups and the longer prompt included)."""
+    from dataclasses import replace
+
+    params = replace(params, max_new_tokens=1)   # only the first token is timed
     ground_s, off, lead = [], [], []
     for c in cases:
         single = Case(c.name, c.turns[-1:])

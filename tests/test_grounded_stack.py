@@ -31,11 +31,12 @@ def seeded(db) -> None:
         help_centre.seed(s)
 
 
-def ask(url: str, text: str, client: ChatClient | None = None, conversation_id: str | None = None) -> dict:
+def ask(url: str, text: str, client: ChatClient | None = None, conversation_id: str | None = None,
+        timeout: float = 180) -> dict:
     own = client is None
     client = client or ChatClient(url)
     try:
-        result = client.ask(text, conversation_id=conversation_id, timeout=180)
+        result = client.ask(text, conversation_id=conversation_id, timeout=timeout)
     finally:
         if own:
             client.close()
@@ -141,7 +142,7 @@ def test_on_the_default_model_customers_read_statuses_not_found_and_policies_and
                                                     "Where is NW-10042? my e-mail is ada@example.com",
                                                     *[q for q, _ in POLICY_QUESTIONS]]
     with ThreadPoolExecutor(len(questions)) as pool:
-        answers = dict(zip(questions, pool.map(lambda q: ask(url, q)["text"], questions)))
+        answers = dict(zip(questions, pool.map(lambda q: ask(url, q, timeout=600)["text"], questions)))
     statuses = [bool(re.search(STATUS[status], answers[q], re.I)) for q, status in ORDER_QUESTIONS]
     assert sum(statuses) >= 5, answers
     assert NOT_FOUND.search(answers["where is my order NW-1002?"]) and NOT_FOUND.search(answers["Order NW-99999 "
@@ -149,7 +150,10 @@ def test_on_the_default_model_customers_read_statuses_not_found_and_policies_and
     for q, figure in POLICY_QUESTIONS:
         assert figure in answers[q], answers[q]
     for q, text in answers.items():
-        allowed = tuple(n for n in DEMO if n in q)[:MAX_ORDERS]
+        # What the asker may see: the orders they named, else the orders of the address they gave; nothing when
+        # the number and the address disagree.
+        allowed = tuple(n for n in DEMO if n in q.upper())[:MAX_ORDERS] or \
+            tuple(n for n, o in DEMO.items() if o.customer_email in q)
         if "ada@example.com" in q:
             allowed = ()
         assert not others(text, q, allowed), (q, text)

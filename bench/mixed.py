@@ -109,7 +109,7 @@ class BulkStreams:
             return dict(Counter(r for _, _, r, _ in self.done))
 
     def close(self) -> None:
-        """Stop sending; answers under way are dropped by their clients (the worker still finishes them)."""
+        """Stop sending and drop the answers under way; wait_idle then waits until the worker holds none."""
         self.stop.set()
         for resp in list(self._responses.values()):
             try:

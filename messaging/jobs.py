@@ -14,6 +14,7 @@
                   `messages` is empty
     echo          /v1/completions: the final event carries the prompt's text (and its log-probabilities when
                   params.prompt_logprobs is set)
+    http_request_id   an API request's x-request-id (the client's own, or the web app's), for the worker's logs
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 from messaging.contract import DEFAULT_CLASS
 
 STRUCTURE, TOOLS, PROMPT, ECHO = "structure", "tools", "prompt", "echo"
+HTTP_REQUEST_ID = "http_request_id"
 
 
 def service_class(job: dict) -> str:

@@ -150,6 +150,8 @@ def test_every_response_carries_a_request_id_the_clients_own_when_it_sent_one(st
         assert s.get(RequestRecord, request_id).http_request_id == "client-answered-1"
     log = stack.workdir / f"web{urlsplit(base).port}.log"   # the web process's log names both ids together
     wait_for(lambda: f"request client-answered-1 accepted as {request_id}" in log.read_text(), 10, "the log line")
+    worker_log = (stack.workdir / "worker.log").read_text()   # and the worker's, as it starts the request
+    assert f"answering {request_id} (x-request-id client-answered-1)" in worker_log
 
 
 def test_rate_limited_requests_carry_openais_headers_and_retry_after(stack):

@@ -314,9 +314,10 @@ def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
         queue.check_room(service_class)
         job = queue.new_job(request.messages, replace(request.generation, service_class=service_class),
                             source="api", channel=True,
-                            api_key=keyring.current_name(), extra=request.extra)
+                            api_key=keyring.current_name(),
+                            extra={**request.extra, jobs.HTTP_REQUEST_ID: headers.request_id()})
         record = queue.record_for(job)
-        record.http_request_id = headers.request_id()
+        record.http_request_id = job[jobs.HTTP_REQUEST_ID]
         with current_app.extensions["db"]() as db:
             db.add(record)
             db.commit()

@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from messaging.contract import cancelled_key, streamed_key
 from messaging.generation import Generation, GenerationError
-from messaging.jobs import ECHO, PROMPT, STRUCTURE, TOOLS, replayable, service_class
+from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TOOLS, replayable, service_class
 from messaging.stream import STARTED
 from models import Message, RequestRecord
 from structured import Structure, StructureError, Tool, ToolError
@@ -82,6 +82,8 @@ class Job:
         if self.was_cancelled():
             self.fail("cancelled", "The request was cancelled before it started.")
             return
+        if self.spec.get(HTTP_REQUEST_ID):
+            log.info("answering %s (x-request-id %s)", self.request_id, self.spec[HTTP_REQUEST_ID])
         self.announce_start()
         # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
         # so the customer's stream resumes after what an earlier delivery already showed.
@@ -253,7 +255,7 @@ class Job:
             if record is None:   # the web app could not write it (e.g. a direct enqueue): keep one anyway
                 record = RequestRecord(request_id=self.request_id, conversation_id=job.get("conversation_id"),
                                        source=job.get("source", "chat"), enqueued_at=utc(job["enqueued_at"]),
-                                       api_key=job.get("api_key"))
+                                       api_key=job.get("api_key"), http_request_id=job.get(HTTP_REQUEST_ID))
                 db.add(record)
             record.model, record.worker = rt.model_name, rt.settings.name
             record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(done.first_token_time)

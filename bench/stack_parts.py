@@ -72,6 +72,9 @@ class Stack:
         env = {**os.environ, "REDIS_URL": redis_url, "DATABASE_URL": self.db_url, "MAX_NUM_SEQS": str(slots),
                "PORT": str(port), "QUEUE_LIMIT": str(queue_limit), "SYSTEM_PROMPT": system_prompt, "TEMPERATURE": "0",
                "MAX_NEW_TOKENS": str(max_new_tokens),
+               # The engine side answers the same messages greedily: no DRY and no grounded lookups on the chat
+               # side either, so each answer can be compared token for token and the difference is the plumbing.
+               "DRY_MULTIPLIER": "0", "CHAT_GROUNDING": "off",
                # Every customer here comes from one address: the abuse limits would measure themselves.
                "RATE_LIMIT_PER_SESSION": "off", "RATE_LIMIT_PER_IP": "off", "MAX_CONNECTIONS_PER_IP": "0"}
         env.pop("MODEL", None)

@@ -171,3 +171,31 @@ def test_logprobs_report_each_tokens_own_bytes(stack, tokenizer):
     assert [entry["token"] for entry in content] == ["\ufffd", "\ufffd"]
     for alternative in (a for entry in content for a in entry["top_logprobs"]):   # the model's own picks
         assert bytes(alternative["bytes"]).decode("utf-8", "replace") == alternative["token"]
+
+
+def test_completions_take_a_list_of_prompts(stack):
+    """lm-evaluation-harness's batches: choice i * n + j is prompt i's choice j, each the same as that prompt sent
+    alone; usage adds up; the stream renumbers its chunks the same way and ends once."""
+    prompts = ["Order 1234 is", "Your refund", [1, 2, 3, 4]]
+    base = {"max_tokens": 5, "temperature": 0, "n": 2}
+    alone = [post(stack, "/v1/completions", {**base, "prompt": p}).json() for p in prompts]
+    whole = post(stack, "/v1/completions", {**base, "prompt": prompts})
+    assert whole.status_code == 200, whole.text
+    reply = Completion.model_validate(whole.json())
+    assert [c.index for c in reply.choices] == list(range(6))
+    assert [c.text for c in reply.choices] == [c["text"] for one in alone for c in one["choices"]]
+    assert reply.usage.completion_tokens == sum(one["usage"]["completion_tokens"] for one in alone)
+    assert reply.usage.prompt_tokens == sum(one["usage"]["prompt_tokens"] for one in alone)
+    streamed = post(stack, "/v1/completions", {**base, "prompt": prompts, "stream": True,
+                                               "stream_options": {"include_usage": True}})
+    parsed = [CompletionChunk.model_validate(chunk) for chunk in chunks(streamed)]
+    assert len({c.id for c in parsed}) == 1
+    texts: dict[int, str] = {}
+    for c in parsed:
+        for choice in c.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert texts == {c.index: c.text for c in reply.choices}
+    usage = [c.usage for c in parsed if c.usage is not None]
+    assert len(usage) == 1 and usage[0].completion_tokens == reply.usage.completion_tokens
+    too_many = post(stack, "/v1/completions", {**base, "prompt": ["x"] * 65})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"

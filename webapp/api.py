@@ -16,7 +16,7 @@ from messaging import jobs
 from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
 
-from . import api_answers, api_params, headers, keyring, limits, protocol, queue
+from . import api_answers, api_batch, api_params, headers, keyring, limits, protocol, queue
 from .disconnect import client_gone
 from .queue import UserError
 from .security import clean_text
@@ -30,6 +30,7 @@ ROLE_ALIASES = {"developer": "system"}   # OpenAI's newer name for the system me
 MAX_MESSAGES = 500
 MAX_MODEL_CHARS = 256
 MAX_PROMPT_TOKENS = 32_768
+MAX_PROMPTS = 64          # /v1/completions' prompts per request
 LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
 # A request whose client waits for the whole answer checks this often that the client is still there.
 CLIENT_CHECK_S = 1.0
@@ -184,24 +185,32 @@ def parse_calls(calls, bad) -> list[dict]:
     return out
 
 
-def parse_prompt(body: dict) -> str | list[int]:
-    """A completion's prompt: text, token ids, or a list holding one of those."""
+def parse_prompts(body: dict) -> list[str | list[int]]:
+    """A completion's prompts: text, token ids, or a list of either (one job each, at most MAX_PROMPTS)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise UserError("invalid_prompt", f"'prompt' holds {len(prompt)} prompts; send at most {MAX_PROMPTS} per "
+                                              "request.", param="prompt")
+        return [parse_prompt(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    return [parse_prompt(prompt, "prompt")]
+
+
+def parse_prompt(prompt, name: str) -> str | list[int]:
+    """One prompt: text or token ids."""
     if isinstance(prompt, str):
         if not prompt:
-            raise UserError("invalid_prompt", "'prompt' is empty; send some text.", param="prompt")
+            raise UserError("invalid_prompt", f"'{name}' is empty; send some text.", param="prompt")
         if len(prompt) > 16 * current_app.config["MAX_MESSAGE_CHARS"]:
-            raise UserError("context_length_exceeded", "'prompt' is too long; send a shorter one.", param="prompt")
+            raise UserError("context_length_exceeded", f"'{name}' is too long; send a shorter one.", param="prompt")
         return clean_text(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31
                                                    for t in prompt):
         if len(prompt) > MAX_PROMPT_TOKENS:
-            raise UserError("context_length_exceeded", "'prompt' has too many tokens; send fewer.", param="prompt")
+            raise UserError("context_length_exceeded", f"'{name}' has too many tokens; send fewer.", param="prompt")
         return prompt
-    raise UserError("invalid_prompt", "'prompt' must be a string, a list of token ids, or a list holding one of "
-                                      "those; send one prompt per request.", param="prompt")
+    raise UserError("invalid_prompt", "'prompt' must be a string, a list of token ids, or a list of either (one "
+                                      f"choice or n for each); '{name}' is neither.", param="prompt")
 
 
 @bp.post("/chat/completions")
@@ -222,7 +231,9 @@ def answer(schema: type[protocol.CommonRequest], read, whole, stream):
         taken = take_request(schema, read)
     if not isinstance(taken, Taken):
         return taken   # the error response
-    job, events, shape, streaming = taken
+    job, events, shape, streaming, batch = taken
+    if batch is not None:
+        return answer_batch(batch, shape, streaming)
     if streaming:
         return Response(stream_with_context(stream(job, events, shape)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -246,6 +257,23 @@ def answer(schema: type[protocol.CommonRequest], read, whole, stream):
     return whole(job, shape, final)
 
 
+def answer_batch(parts: list[api_batch.Part], shape: api_answers.Shape, streaming: bool):
+    """A completion of several prompts, whole or streamed (webapp/api_batch.py)."""
+    n = (parts[0][0].get("params") or {}).get("n", 1)
+    if streaming:
+        return Response(stream_with_context(api_batch.stream(parts, shape, n)), mimetype="text/event-stream",
+                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    done = api_batch.finals(parts)
+    failed = next((final for final in done if final is None or final["event"] == "error"), False)
+    if failed is not False:
+        for job, _ in parts:
+            queue.cancel(job["request_id"])
+        return error_response(UserError(failed["code"] if failed else "timeout",
+                                        failed["message"] if failed else "The answer did not arrive; retry.",
+                                        retryable=True, status=400 if failed and not failed["retryable"] else 503))
+    return api_batch.completion(parts, shape, done, n)
+
+
 class Request(NamedTuple):
     """A request's body read into what its job carries."""
 
@@ -253,6 +281,7 @@ class Request(NamedTuple):
     generation: Generation
     extra: dict          # the job's API fields (messaging/jobs.py)
     shape: api_answers.Shape
+    more_prompts: list = []   # /v1/completions: the prompts after the first, a job each
 
 
 class Taken(NamedTuple):
@@ -260,6 +289,7 @@ class Taken(NamedTuple):
     events: Iterator[dict]
     shape: api_answers.Shape
     stream: bool
+    batch: list[api_batch.Part] | None = None   # several prompts: each one's job and events, the first's first
 
 
 def read_chat(body: dict, model: str, include_usage: bool) -> Request:
@@ -284,7 +314,7 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
 
 
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:
-    prompt = parse_prompt(body)
+    prompts = parse_prompts(body)
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise api_params.invalid("echo", "'echo' must be true or false.")
@@ -292,9 +322,9 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
     # No answer at all (max_tokens 0) only scores the prompt, which the client sees through echo.
     generation = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1, logprobs=logprobs,
                                      score_prompt=echo)
-    extra = {jobs.PROMPT: prompt, **({jobs.ECHO: True} if echo else {})}
+    extra = {jobs.PROMPT: prompts[0], **({jobs.ECHO: True} if echo else {})}
     return Request([], generation, extra, api_answers.Shape(model, logprobs=logprobs is not None, echo=echo,
-                                                        include_usage=include_usage))
+                                                        include_usage=include_usage), prompts[1:])
 
 
 def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
@@ -312,24 +342,29 @@ def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
         request = read(body, model or served_models()[0], include_usage)
         service_class = queue.served_class(keyring.service_class(body.get("service_tier")))
         queue.check_room(service_class)
-        job = queue.new_job(request.messages, replace(request.generation, service_class=service_class),
-                            source="api", channel=True,
-                            api_key=keyring.current_name(),
-                            extra={**request.extra, jobs.HTTP_REQUEST_ID: headers.request_id()})
-        record = queue.record_for(job)
-        record.http_request_id = job[jobs.HTTP_REQUEST_ID]
+        generation = replace(request.generation, service_class=service_class)
+        extra = {**request.extra, jobs.HTTP_REQUEST_ID: headers.request_id()}
+        batch = [queue.new_job(request.messages, generation, source="api", channel=True,
+                               api_key=keyring.current_name(), extra={**extra, **prompt})
+                 for prompt in [{}] + [{jobs.PROMPT: p} for p in request.more_prompts]]
+        job = batch[0]
+        records = [queue.record_for(one) for one in batch]
+        for record in records:
+            record.http_request_id = extra[jobs.HTTP_REQUEST_ID]
         with current_app.extensions["db"]() as db:
-            db.add(record)
+            db.add_all(records)
             db.commit()
         if unused := {name: body[name] for name in protocol.NO_EFFECT if body.get(name) is not None}:
             log.info("request %s: taken without effect on the answer: %s", job["request_id"],
                      json.dumps(unused, ensure_ascii=False)[:500])
-        log.info("request %s accepted as %s", record.http_request_id, job["request_id"])
-        events = subscribe(job, stream)   # before sending: no event can slip past
-        queue.send(job)
+        log.info("request %s accepted as %s", records[0].http_request_id,
+                 ", ".join(one["request_id"] for one in batch))
+        parts = [(one, subscribe(one, stream)) for one in batch]   # before sending: no event can slip past
+        for one in batch:
+            queue.send(one)
     except UserError as exc:
         return error_response(exc)
-    return Taken(job, events, request.shape, stream)
+    return Taken(job, parts[0][1], request.shape, stream, parts if len(parts) > 1 else None)
 
 
 def subscribe(job: dict, streaming: bool) -> Iterator[dict]:

@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--temperature", type=float, default=float(os.environ.get("TEMPERATURE", "0.7")))
     p.add_argument("--top-p", type=float, default=float(os.environ.get("TOP_P", "0.9")))
     p.add_argument("--max-new-tokens", type=int, default=int(os.environ.get("MAX_NEW_TOKENS", "256")))
-    p.add_argument("--dry-multiplier", type=float, default=0.0,
-                   help="DRY repetition guard (0: off); runs are looked for in the answer only")
+    p.add_argument("--dry-multiplier", type=float, default=float(os.environ.get("DRY_MULTIPLIER", "0.8")),
+                   help="DRY repetition guard, as the chat's (DRY_MULTIPLIER; 0: off); runs are looked for in the "
+                        "answer only")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--database-url", default=None, help="default: a fresh SQLite file; a PostgreSQL URL works too")
     p.add_argument("--out", default="instance/answers.md", help="where the answers are written")

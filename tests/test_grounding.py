@@ -152,3 +152,37 @@ def test_operators_add_edit_search_and_remove_articles_from_the_command_line(ses
         assert search(db, "voucher") == []
         assert db.scalar(select(HelpArticle).where(HelpArticle.slug == "gift-cards")) is None
     assert run(["seed"]) == 0 and "0 added" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("stops", [True, False])
+def test_after_the_lead_the_models_first_line_ends_the_answer(sessions, tiny, monkeypatch, stops):
+    """A model that would write newlines after the facts (forced here by a logit bias): the answer is the lead, as
+    the customer saw it stream, and nothing the model writes past its line; without LEAD_STOPS it would go on."""
+    import queue
+    from types import SimpleNamespace
+
+    from worker import assistant
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    if not stops:
+        monkeypatch.setattr(assistant, "LEAD_STOPS", ())
+    model, tok = tiny
+    newline = tok("\n", add_special_tokens=False)["input_ids"][-1]
+    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
+    try:
+        messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
+        with sessions() as db:
+            grounded = ground(db, messages, SETTINGS)
+        outbox: queue.Queue = queue.Queue()
+        relay = assistant.Relay(outbox, "r1")
+        done = assistant.converse(SimpleNamespace(engine=engine), {"request_id": "r1", "messages": messages}, [],
+                                  SamplingParams(temperature=0, max_new_tokens=8, logit_bias={newline: 100.0}),
+                                  None, relay, lambda: False, grounded, lead=True)
+    finally:
+        engine.shutdown()
+    shown = "".join(e.text for events in outbox.queue for e in events if hasattr(e, "text") and e is not done)
+    assert relay.text.startswith(grounded.lead) and shown.startswith(grounded.lead)
+    if stops:
+        assert relay.text == grounded.lead + " " and done.finish_reason == "stop"
+    else:
+        assert "\n" in relay.text and done.finish_reason == "length"

@@ -199,3 +199,13 @@ def test_completions_take_a_list_of_prompts(stack):
     assert len(usage) == 1 and usage[0].completion_tokens == reply.usage.completion_tokens
     too_many = post(stack, "/v1/completions", {**base, "prompt": ["x"] * 65})
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+
+
+def test_a_stop_string_cannot_cut_structured_output_short(stack):
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    body = {"messages": MESSAGES, "max_tokens": 60, "seed": 8, "stop": ['"ok"'],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    reply = post(stack, "/v1/chat/completions", body).json()
+    choice = reply["choices"][0]
+    assert choice["finish_reason"] == "stop" and isinstance(json.loads(choice["message"]["content"])["ok"], bool)

@@ -204,7 +204,7 @@ class LLMEngine:
             for index in range(params.n)]
         for seq in group:
             seq.group = group
-            seq.detokenizer.armed = params.min_tokens == 0
+            seq.detokenizer.armed = params.min_tokens == 0 and seq.matcher is None
         return group[0]
 
     # ---- synchronous API: the caller drives step() -------------------------------------------
@@ -502,8 +502,11 @@ class LLMEngine:
             seq.first_token_time = now
             if seq.index == 0:
                 prompt = seq.prompt_logprobs_result()
-        if not seq.detokenizer.armed and seq.num_completion_tokens >= seq.params.min_tokens:
-            seq.detokenizer.armed = True   # stop strings count from here on (not in the text shown before)
+        if not seq.detokenizer.armed and seq.num_completion_tokens >= seq.params.min_tokens and \
+                (seq.matcher is None or seq.matcher.is_stopped()):
+            # Stop strings count from here on (not in the text shown before): once the answer has min_tokens and
+            # its grammar is complete, so a stop string cannot cut a structured value short.
+            seq.detokenizer.armed = True
         text = seq.detokenizer.push([token])
         events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]

@@ -309,6 +309,7 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()
     shape = api_answers.Shape(model, tools=use.offered, forced=use.structure is not None,
+                              named=use.choice == "function",
                               logprobs=logprobs is not None, include_usage=include_usage)
     return Request(messages, generation, extra, shape)
 

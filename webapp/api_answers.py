@@ -19,6 +19,7 @@ class Shape:
     model: str
     tools: bool = False       # answers are read for tool calls
     forced: bool = False      # a grammar forced calls (tool_choice "required" or a named function): no text
+    named: bool = False       # tool_choice named the function: its call ends with "stop", as OpenAI's does
     logprobs: bool = False    # chat: choices carry logprobs.content; completions: the legacy logprobs
     echo: bool = False        # completions: the prompt comes before the answer
     include_usage: bool = False
@@ -37,6 +38,11 @@ def usage(done: dict) -> dict:
 
 def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
+
+
+def call_reason(shape: Shape) -> str:
+    """An answer that called tools ends with "tool_calls"; one whose tool_choice named the function with "stop"."""
+    return "stop" if shape.named else "tool_calls"
 
 
 def call_scope(job: dict, index: int) -> str:
@@ -80,7 +86,7 @@ def chat_completion(job: dict, shape: Shape, done: dict) -> dict:
             message["content"] = content
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
-                reason = "tool_calls" if reason != "length" else reason
+                reason = call_reason(shape) if reason != "length" else reason
         choices.append({"index": c["index"], "message": message,
                         "logprobs": {"content": c.get("logprobs") or []} if shape.logprobs else None,
                         "finish_reason": reason})
@@ -126,7 +132,7 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
                         for delta in parsers[i].finish():
                             yield chunk(i, delta.to_openai())
                         if parsers[i].calls and reason != "length":
-                            reason = "tool_calls"
+                            reason = call_reason(shape)
                     yield chunk(i, {}, reason)
                 if shape.include_usage:   # OpenAI's shape: a last chunk with no choices, only usage
                     yield chunk(None, None, usage_=usage(event))

@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from bench.engine import DEFAULT_WORKLOAD, REPO_ROOT, load_workload
-from bench.sampler import KINDS, model_logits
+from bench.sampler import KINDS, NEW_ONLY, model_logits
 from structured import Structure
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.grammar import Grammars
@@ -325,6 +325,8 @@ def sampler_table(model, tokenizer, rows: int, repeats: int, workload: Path) -> 
     Baseline = baseline_sampler_class()
     results = []
     for kind, config in KINDS.items():
+        if kind in NEW_ONLY:   # the baseline sampler cannot draw these (bench.sampler times them)
+            continue
         params = [SamplingParams(**config) for _ in range(rows)]
         seeds = list(range(rows))
         variants = {"baseline": (Baseline(), {}), "new": (Sampler(), {}),

@@ -101,7 +101,8 @@ def test_a_worker_takes_interactive_requests_before_the_ones_queued_ahead_of_the
 
 
 @pytest.mark.skip(reason="intermittent: failed once in five runs (after tests/test_api_edges.py in one process), cause "
-                         "not yet found; the reaper re-sending an interactive request to its queue is tested in test_infra_faults")
+                         "not yet found; the reaper re-sending an interactive request to its queue is tested in "
+                         "test_infra_faults")
 def test_a_dead_workers_requests_come_back_to_their_own_class_queue(stack, db):
     url = stack.web_urls[0]
     clients, threads, results = queue_behind_a_stopped_worker(stack, url, ["flex", None] * 3)

@@ -222,7 +222,7 @@ def print_burst(fig: dict, protocol: str) -> None:
 
 def crowd_main(args) -> dict:
     """--customers, --idle and --ceiling: against --url, or a stack of its own."""
-    from bench.synthetic import SYNTHETIC_TOKEN
+    from worker.synthetic import SYNTHETIC_TOKEN
 
     if args.ceiling:   # every streaming chat keeps streaming past the measured window
         args.max_new_tokens = int(args.token_rate * (args.warmup + args.duration + 15))

@@ -80,8 +80,8 @@ class WorkerRuntime:
                               enforce_eager=s.enforce_eager, attention_backend=s.attention_backend,
                               decode_attention=s.decode_attention, overlap_steps=s.overlap_steps,
                               bulk_token_share=s.bulk_token_share)
-        if s.synthetic_token_rate:   # benchmarks of the web tier only (bench/synthetic.py)
-            from bench.synthetic import SyntheticEngine
+        if s.synthetic_token_rate:   # benchmarks of the web tier only (worker/synthetic.py)
+            from worker.synthetic import SyntheticEngine
             self.engine = SyntheticEngine(s.synthetic_token_rate, s.max_num_seqs or default_slots("cpu"))
         else:
             # Loaded in the engine's own thread: all torch work in one thread (see LLMEngine.launch).

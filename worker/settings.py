@@ -85,7 +85,7 @@ class WorkerSettings:
     lost_after_s: float = field(default_factory=lambda: _float("LOST_AFTER_S", 20))
     # Text deltas are sent at most this often, every request's together in one message (worker/publisher.py).
     stream_window_s: float = field(default_factory=lambda: float(os.environ.get("STREAM_WINDOW_MS", "50")) / 1000)
-    # Benchmarks only: tokens per second per request from a stand-in engine with no model (bench/synthetic.py).
+    # Benchmarks only: tokens per second per request from a stand-in engine with no model (worker/synthetic.py).
     synthetic_token_rate: float = field(default_factory=lambda: float(os.environ.get("SYNTHETIC_TOKEN_RATE") or 0))
     name: str = field(default_factory=lambda: os.environ.get("WORKER_NAME", f"worker@{socket.gethostname()}"))
 

@@ -112,3 +112,10 @@ def test_no_module_imports_one_that_imports_it_back():
     assert {"webapp.chat", "worker.job", "bench.engine"} <= set(graph)   # the graph covers the packages
     assert "webapp.sockets" in graph["webapp.chat"] and "worker.runtime" in graph["worker.job"]
     assert circles(graph) == []
+
+
+def test_the_product_imports_nothing_from_its_benchmarks():
+    graph = import_graph()
+    leaks = {m: sorted(e for e in edges if e.split(".")[0] == "bench") for m, edges in graph.items()
+             if m.split(".")[0] != "bench"}
+    assert {m: e for m, e in leaks.items() if e} == {}

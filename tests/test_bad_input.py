@@ -212,7 +212,7 @@ HTTP_CASES = [
     HttpCase("GET instead of POST", None, 405, "method_not_allowed", method="GET"),
     HttpCase("an unknown endpoint", with_(), 404, "not_found", path="/v1/completions/legacy"),
     HttpCase("prompt beyond the model's context", with_(messages=[{"role": "user", "content": TOO_LONG_FOR_THE_MODEL}]),
-             400, "prompt_too_long"),
+             400, "context_length_exceeded"),
     HttpCase("script and HTML are answered as text", with_(messages=[{"role": "user", "content": INJECTION}]),
              200, None),
     HttpCase("neutral values of parameters", with_(presence_penalty=0, logprobs=False, functions=[], user="u-1"),

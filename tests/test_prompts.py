@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from messaging.prompts import fallback, native
 from structured.tools import Tool, instructions
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine
-from worker.prompts import completion_ids, fallback, has_tool_format, native, render_chat
+from worker.job import CLIENT_ERRORS, refusal_code
+from worker.prompts import completion_ids, has_tool_format, render_chat
 
 LOOKUP = {"type": "function", "function": {"name": "lookup_order", "description": "Find an order.",
                                            "parameters": {"type": "object", "properties": {"id": {"type": "integer"}}}}}
@@ -62,3 +64,28 @@ def test_completion_prompts_are_used_as_they_are(engine):
     assert completion_ids(engine, [1, 2, 3]) == [1, 2, 3]
     with pytest.raises(InvalidRequestError, match="token ids the model does not have"):
         completion_ids(engine, [1, engine.vocab + 5])
+
+
+# Role order checked as Mistral's and Llama 2's templates check it.
+ALTERNATE = "Conversation roles must alternate user/assistant/user/assistant/..."
+ROLE_CHECK = ("{% for m in messages | rejectattr('role', 'equalto', 'system') %}"
+              "{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+              "{{ raise_exception('" + ALTERNATE + "') }}{% endif %}{% endfor %}")
+
+
+def test_a_template_that_raises_is_the_clients_error_and_final(engine):
+    engine.tokenizer.chat_template = ROLE_CHECK + engine.tokenizer.chat_template
+    wrong = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Hello?"}]
+    for tools in (None, [LOOKUP]):   # the engine's own rendering, and the tools' fallback
+        with pytest.raises(InvalidRequestError, match="refused these messages: " + ALTERNATE[:30]) as refused:
+            render_chat(engine, wrong, tools)
+        assert refusal_code(refused.value, {"source": "api"}) in CLIENT_ERRORS, "not sent again, not a 503"
+    assert render_chat(engine, wrong[:1]) == engine.render_chat(wrong[:1])
+
+
+def test_a_prompt_too_long_for_the_worker_is_final_with_openais_code_for_the_api(engine):
+    with pytest.raises(InvalidRequestError) as too_long:
+        engine.submit("r", prompt_token_ids=[1] * engine.max_model_len)
+    assert refusal_code(too_long.value, {"source": "api"}) == "context_length_exceeded"
+    assert refusal_code(too_long.value, {"source": "chat"}) == "prompt_too_long"
+    assert {"context_length_exceeded", "prompt_too_long"} <= set(CLIENT_ERRORS)

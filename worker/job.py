@@ -29,7 +29,9 @@ log = logging.getLogger(__name__)
 # While an answer runs, how often its cancel key is looked at.
 CANCEL_CHECK_S = 1.0
 # Errors the client caused: they say what to change, and sending the request again does not help.
-CLIENT_ERRORS = ("prompt_too_long", "invalid_request")
+CLIENT_ERRORS = ("prompt_too_long", "context_length_exceeded", "invalid_request")
+# How the engine and worker/prompts.py say that a prompt does not fit the model's context.
+TOO_LONG = ("too long", "context holds", "KV cache holds")
 
 
 def utc(ts: float | None) -> datetime | None:
@@ -50,8 +52,11 @@ def sampling_params(job: dict) -> SamplingParams:
     return params
 
 
-def refusal_code(exc: Exception) -> str:
-    return "prompt_too_long" if "too long" in str(exc) else "invalid_request"
+def refusal_code(exc: Exception, job: dict) -> str:
+    """The error code of a request refused before it ran: an API client hears OpenAI's code for a prompt too long."""
+    if any(words in str(exc) for words in TOO_LONG):
+        return "context_length_exceeded" if job.get("source") == "api" else "prompt_too_long"
+    return "invalid_request"
 
 
 class Job:
@@ -110,7 +115,7 @@ class Job:
         except (InvalidRequestError, InvalidParamsError, StructureError, GenerationError) as exc:
             if "already in use" in str(exc):   # the same request is being answered in this process
                 return None
-            self.fail(refusal_code(exc), str(exc))
+            self.fail(refusal_code(exc, self.spec), str(exc))
             return None
 
     def start(self, prompt_ids: list[int], params: SamplingParams, shown: int, echo: str | None = None) -> Answer | None:
@@ -159,7 +164,7 @@ class Job:
                                       lead=grounding is not None and grounding.mode == "lead")
         except (InvalidRequestError, InvalidParamsError) as exc:
             publisher.forget(self.request_id)
-            self.fail(refusal_code(exc), str(exc))
+            self.fail(refusal_code(exc, self.spec), str(exc))
             return None
         except BaseException:   # interrupted: free the slot rather than generate for nobody
             self.rt.engine.abort(self.request_id)

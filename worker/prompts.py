@@ -3,11 +3,9 @@ completion's text or ids as they are."""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+from jinja2 import TemplateError
 
-from structured import Tool
-from structured.tools import call_text, instructions, response_text
+from messaging.prompts import plain, shaped, template_refusal
 from worker.engine import InvalidRequestError
 
 
@@ -31,75 +29,41 @@ def has_tool_format(tokenizer) -> bool:
     return _formats[key]
 
 
-def _arguments(text: Any) -> Any:
-    """A call's arguments as templates expect them: an object, not its JSON text."""
-    if not isinstance(text, str):
-        return text
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
-
-
-def native(messages: list[dict]) -> list[dict]:
-    """Messages for a template with a tool format: calls' arguments parsed, no content left null."""
-    out = []
-    for m in messages:
-        m = {**m, "content": m.get("content") or ""}
-        if m.get("tool_calls"):
-            m["tool_calls"] = [{**c, "function": {**c["function"], "arguments": _arguments(c["function"]["arguments"])}}
-                               for c in m["tool_calls"]]
-        out.append(m)
-    return out
-
-
-def fallback(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """Messages for a template without a tool format: the tools described in the system prompt, calls written as
-    the model would write them, tool results as user messages in <tool_response> blocks."""
-    out = []
-    for m in messages:
-        role, content = m["role"], m.get("content") or ""
-        if role == "tool":
-            out.append({"role": "user", "content": response_text(content)})
-        elif role == "assistant" and m.get("tool_calls"):
-            calls = "\n".join(call_text(c["function"]["name"], _arguments(c["function"]["arguments"]))
-                              for c in m["tool_calls"])
-            out.append({"role": "assistant", "content": (content + "\n" if content else "") + calls})
-        else:
-            out.append({"role": role, "content": content})
-    if tools:
-        described = instructions([Tool.from_openai(spec) for spec in tools])
-        if out and out[0]["role"] == "system":
-            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + described}
-        else:
-            out.insert(0, {"role": "system", "content": described})
-    return out
-
-
-def plain(messages: list[dict]) -> bool:
-    return all(set(m) <= {"role", "content"} and m["role"] in ("system", "user", "assistant") for m in messages)
+def template_refused(exc: TemplateError) -> InvalidRequestError:
+    """The chat template's own complaint (`raise_exception`: roles out of order, say) as the client's error."""
+    return InvalidRequestError(template_refusal(str(exc.message or exc)))
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of chat messages in OpenAI's shape (assistant `tool_calls`, `tool` results) offering `tools`."""
-    if has_tool_format(tokenizer):
-        chat, kwargs = native(messages), ({"tools": tools} if tools else {})
-    else:
-        chat, kwargs = fallback(messages, tools), {}
-    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **kwargs))
+    """Prompt ids of chat messages in OpenAI's shape (assistant `tool_calls`, `tool` results) offering `tools`;
+    InvalidRequestError when the template refuses them."""
+    chat, kwargs = shaped(messages, tools, has_tool_format(tokenizer))
+    try:
+        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **kwargs))
+    except TemplateError as exc:
+        raise template_refused(exc) from exc
 
 
 def render_chat(engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of chat messages; plain messages without tools go through the engine's own rendering unchanged."""
+    """Prompt ids of chat messages; plain messages without tools go through the engine's own rendering unchanged.
+    InvalidRequestError when the template refuses them."""
     if not tools and plain(messages):
-        return engine.render_chat(messages)
+        try:
+            return engine.render_chat(messages)
+        except TemplateError as exc:
+            raise template_refused(exc) from exc
     return render(engine.tokenizer, messages, tools)
+
+
+def text_ids(tokenizer, text: str) -> list[int]:
+    """A completion's text as ids, tokenized as the model's tokenizer does by default (its BOS, if it adds one)."""
+    return list(tokenizer(text)["input_ids"])
 
 
 def completion_ids(engine, prompt: str | list[int]) -> list[int]:
     """A completion's prompt as ids: text tokenized as the model's tokenizer does by default, ids checked."""
     if isinstance(prompt, str):
-        return list(engine.tokenizer(prompt)["input_ids"])
+        return text_ids(engine.tokenizer, prompt)
     outside = sorted({t for t in prompt if t >= engine.vocab})
     if outside:
         raise InvalidRequestError(f"The prompt has token ids the model does not have: {outside[:5]}; its ids run "

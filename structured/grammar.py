@@ -25,23 +25,29 @@ class StructureError(ValueError):
 @dataclass(frozen=True)
 class Structure:
     """An answer that is one JSON value matching `schema` (any JSON object when None), between `begin` and `end`;
-    with `repeat`, one or more of those, joined by `separator` (parallel tool calls, say)."""
+    with `repeat`, one or more of those, joined by `separator` (parallel tool calls, say).
+
+    `lazy`: the answer is free text until the model writes `begin`; from there the value and `end` are held to
+    the grammar, and then text is free again (tool_choice "auto"). The text can never hold `begin` otherwise,
+    and without `repeat` only one value is written."""
 
     schema: dict[str, Any] | None = None
     begin: str = ""
     end: str = ""
     repeat: bool = False
     separator: str = "\n"
+    lazy: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The job's form of it (plain JSON), read back by `from_json`."""
         return {"schema": self.schema, "begin": self.begin, "end": self.end, "repeat": self.repeat,
-                "separator": self.separator}
+                "separator": self.separator, **({"lazy": True} if self.lazy else {})}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Structure:
         return cls(schema=data.get("schema"), begin=data.get("begin", ""), end=data.get("end", ""),
-                   repeat=bool(data.get("repeat", False)), separator=data.get("separator", "\n"))
+                   repeat=bool(data.get("repeat", False)), separator=data.get("separator", "\n"),
+                   lazy=bool(data.get("lazy", False)))
 
     @property
     def key(self) -> str:
@@ -67,8 +73,11 @@ def _grammar(key: str) -> str:
     if len(key) > MAX_SCHEMA_BYTES:
         raise StructureError(f"The JSON schema is longer than {MAX_SCHEMA_BYTES // 1024} KiB; send a smaller one.")
     schema = {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
+    lazy = _lazy(data["begin"], data["end"], data["repeat"], schema) if data.get("lazy") else None
     try:
-        if not (data["begin"] or data["end"] or data["repeat"]):
+        if lazy is not None:
+            grammar = LLMatcher.grammar_from_lark(lazy)
+        elif not (data["begin"] or data["end"] or data["repeat"]):
             grammar = LLMatcher.grammar_from_json_schema(schema)
         else:
             item = f"item: {json.dumps(data['begin'])} value {json.dumps(data['end'])}\n" if data["begin"] or \
@@ -81,6 +90,20 @@ def _grammar(key: str) -> str:
     if error:
         raise StructureError(f"The JSON schema cannot be used: {_reason(error)}")
     return grammar
+
+
+def _lazy(begin: str, end: str, repeat: bool, schema: dict[str, Any]) -> str:
+    """Lark for free text around values opened by `begin`: TEXT never holds the trigger (begin's non-blank start),
+    and LEAD is text ending in `begin`, so the lexer knows a value has begun the moment `begin` is complete."""
+    trigger = begin.rstrip()
+    if not trigger:
+        raise StructureError("A lazy structure needs a 'begin' text that starts it.")
+    calls = "(LEAD item)+ TEXT?" if repeat else "LEAD item TEXT?"
+    return (f"start: TEXT | {calls}\n"
+            f"item: value {json.dumps(end)}\n"
+            f"value: %json {json.dumps(schema)}\n"
+            f"TEXT: /(.|\\n)*/ & ~(/(.|\\n)*/ {json.dumps(trigger)} /(.|\\n)*/)\n"
+            f"LEAD: TEXT {json.dumps(begin)}\n")
 
 
 def _reason(message: str) -> str:

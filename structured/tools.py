@@ -74,6 +74,15 @@ def forced(tools: list[Tool], name: str | None = None, parallel: bool = True) ->
     return Structure(schema, begin=BEGIN, end=END, repeat=parallel)
 
 
+def offered(tools: list[Tool], parallel: bool = True) -> Structure:
+    """The grammar of an answer under tool_choice "auto": free text, but once the model opens a call it can only
+    be a valid call of an offered tool; without `parallel`, at most one call."""
+    if not tools:
+        raise ToolError("tool_choice 'auto' with a grammar needs at least one tool in 'tools'.")
+    schema = tools[0].call_schema() if len(tools) == 1 else {"anyOf": [t.call_schema() for t in tools]}
+    return Structure(schema, begin=BEGIN, end=END, repeat=parallel, lazy=True)
+
+
 def call_text(name: str, arguments: Any) -> str:
     """A call as the model writes it, for a conversation's history."""
     return BEGIN + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + END
@@ -180,6 +189,10 @@ class StreamParser:
         """The answer ended: a call cut short keeps what was read of it; held-back text comes out."""
         out: list[Delta] = []
         if self.in_call:
+            # Cut inside its closing tag, the call itself is whole: the partial tag is not part of it.
+            tail = _partial(self.buffer, CLOSE)
+            if tail and _is_json(self.buffer[:len(self.buffer) - tail]):
+                self.buffer = self.buffer[:len(self.buffer) - tail]
             self._complete(out, self.buffer, cut=True)
         elif not self.forced:
             self._content(out, self.buffer)
@@ -209,7 +222,14 @@ class StreamParser:
             self.calls.append(ToolCall(index, call_id(self.request_id, index), name))
             out.append(Delta(index=index, id=self.calls[-1].id, name=name, arguments=""))
         arguments = self.buffer[self.head_end:]
-        if end == "closed":
+        if arguments.startswith('"'):   # the arguments' JSON written as a string: sent decoded, once it is whole
+            if end != "closed" or self.sent or not _is_json(self.buffer):
+                return
+            value = json.loads(self.buffer)
+            arguments = value.get("arguments") if isinstance(value, dict) else None
+            if not isinstance(arguments, str):
+                return
+        elif end == "closed":
             arguments = arguments.rstrip()
             arguments = arguments[:-1].rstrip() if arguments.endswith("}") else arguments
         elif end == "open":

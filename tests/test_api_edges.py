@@ -19,7 +19,7 @@ from sqlalchemy import select
 
 import pytest
 
-from messaging.contract import streamed_key
+from messaging.contract import job_key, streamed_key
 from models import RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
 from tests.stack import Stack, base_env, wait_for
@@ -68,35 +68,86 @@ def newest_api_record(db, since: datetime) -> RequestRecord | None:
                          .order_by(RequestRecord.enqueued_at.desc())).first()
 
 
-def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it(own_stack, own_db):
-    stack, db = own_stack, own_db
+def api_records(db, since: datetime) -> list[RequestRecord]:
+    with db() as s:
+        return list(s.scalars(select(RequestRecord).where(RequestRecord.source == "api",
+                                                          RequestRecord.enqueued_at >= since)))
+
+
+def leave_once_under_way(stack, path: str, body: dict, db, jobs: int = 1) -> list[str]:
+    """Ask for a whole answer over a raw socket, then close it the moment the answer is under way; the request ids
+    of its jobs. On an idle machine the tiny model writes its whole context in under a second: the worker is held
+    still from the moment the answer is under way until the client has gone, so the answer cannot end first."""
     url = urlsplit(stack.web_with(MAX_NEW_TOKENS="2000"))
-    body = json.dumps({"messages": MESSAGES, "temperature": 0, "max_tokens": 2000}).encode()
+    raw = json.dumps(body).encode()
     since = datetime.now(UTC).replace(microsecond=0)
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
-        wait_for(lambda: newest_api_record(db, since) is not None, 30, "the request's record")
-        request_id = newest_api_record(db, since).request_id
-        # On an idle machine the tiny model writes its whole context in under a second: the worker is held still the
-        # moment the answer is under way, while its client goes away, so the answer cannot end first.
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % (path.encode(), len(raw)) + raw)
+        wait_for(lambda: len(api_records(db, since)) == jobs, 30, "the request's records")
+        request_ids = sorted(record.request_id for record in api_records(db, since))
         deadline = time.monotonic() + 60
-        while not int(r.get(streamed_key(request_id)) or 0):
+        while not any(int(r.get(streamed_key(one)) or 0) for one in request_ids):
             assert time.monotonic() < deadline, "the answer never got under way"
             time.sleep(0.002)
         with worker_paused(stack):
             sock.close()
             time.sleep(2.5)   # the web process checks its client's socket every second
-    # The socket is closed: the web process sees it within a second and cancels the answer.
+    return request_ids
 
+
+def wait_cancelled(db, request_ids: list[str]) -> None:
     def cancelled() -> bool:
         with db() as s:
-            return s.get(RequestRecord, request_id).finish_reason == "cancelled"
+            return all(s.get(RequestRecord, one).finish_reason == "cancelled" for one in request_ids)
 
-    wait_for(cancelled, 60, "the cancelled record")
+    wait_for(cancelled, 60, "the cancelled records")
     with db() as s:
-        assert s.get(RequestRecord, request_id).completion_tokens < 2000
+        assert all(s.get(RequestRecord, one).completion_tokens < 2000 for one in request_ids)
+
+
+def test_a_client_that_stops_waiting_for_a_whole_answer_cancels_it(own_stack, own_db):
+    body = {"messages": MESSAGES, "temperature": 0, "max_tokens": 2000}
+    wait_cancelled(own_db, leave_once_under_way(own_stack, "/v1/chat/completions", body, own_db))
+
+
+def test_a_client_that_stops_waiting_for_a_batch_of_prompts_cancels_every_one(own_stack, own_db):
+    body = {"prompt": ["Order 1234 was", "Order 5678 was"], "temperature": 0, "max_tokens": 2000}
+    request_ids = leave_once_under_way(own_stack, "/v1/completions", body, own_db, jobs=2)
+    assert len(request_ids) == 2
+    wait_cancelled(own_db, request_ids)
+
+
+def test_auto_tool_choice_sends_the_offered_calls_grammar_with_the_job(own_stack, own_db):
+    """tool_choice "auto": the job carries a lazy grammar of the offered tools' calls, which the engine applies
+    once the model opens a call; parallel_tool_calls false allows one call."""
+    stack, db = own_stack, own_db
+    url = stack.web_urls[0]
+    lookup = {"type": "function", "function": {"name": "lookup_order", "parameters": {
+        "type": "object", "properties": {"order_id": {"type": "integer"}}, "required": ["order_id"]}}}
+    escalate = {"type": "function", "function": {"name": "escalate"}}
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    for parallel in (False, True):
+        since = datetime.now(UTC).replace(microsecond=0)
+        result: dict = {}
+        body = {"messages": MESSAGES, "max_tokens": 4, "tools": [lookup, escalate], "parallel_tool_calls": parallel}
+
+        def ask() -> None:
+            result["response"] = requests.post(url + "/v1/chat/completions", json=body, timeout=60)
+
+        with worker_paused(stack):   # the job is read while it waits in the queue
+            thread = threading.Thread(target=ask)
+            thread.start()
+            wait_for(lambda: newest_api_record(db, since) is not None, 5, "the request's record")
+            job = json.loads(r.get(job_key(newest_api_record(db, since).request_id)))
+        thread.join(60)
+        assert result["response"].status_code == 200
+        structure = job["structure"]
+        assert structure["lazy"] is True and structure["repeat"] is parallel
+        assert structure["begin"] == "<tool_call>\n" and structure["end"] == "\n</tool_call>"
+        assert [one["properties"]["name"]["const"] for one in structure["schema"]["anyOf"]] == \
+            ["lookup_order", "escalate"]
 
 
 def test_a_silent_stream_keeps_alive_then_ends_with_an_error_and_its_answer_is_cancelled(own_stack, own_db):

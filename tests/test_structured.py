@@ -17,13 +17,15 @@ ORDER = {"type": "object", "properties": {"order": {"type": "string", "pattern":
          "required": ["order", "urgent"], "additionalProperties": False}
 
 
-def generate(tokenizer, structure: Structure, seed: int, limit: int = 200) -> str:
-    """Random logits, masked by the grammar at every token: whatever the scores, the text fits."""
+def generate(tokenizer, structure: Structure, seed: int, limit: int = 200, prefix: str = "") -> str:
+    """Random logits, masked by the grammar at every token: whatever the scores, the text fits. `prefix`: text the
+    model is taken to have written first (it must fit the grammar too)."""
     lltok = llguidance.hf.from_tokenizer(tokenizer)
     matcher = llguidance.LLMatcher(lltok, structure.grammar())
     mask = llguidance.torch.allocate_token_bitmask(1, lltok.vocab_size)
     generator = torch.Generator().manual_seed(seed)
-    ids: list[int] = []
+    ids: list[int] = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
+    assert matcher.consume_tokens(ids), "the grammar refuses the prefix"
     for _ in range(limit):
         if matcher.is_stopped():
             break

@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import random
 
+import llguidance
+import llguidance.hf
 import pytest
 
-from structured.tools import (BEGIN, END, StreamParser, Tool, ToolError, call_id, call_text, forced, instructions,
-                              parse)
+from structured.tools import (BEGIN, END, OPEN, StreamParser, Tool, ToolError, call_id, call_text, forced,
+                              instructions, offered, parse)
 from tests.test_structured import generate
 
 ORDER_TOOL = Tool("get_order_status", "Look up an order", {
@@ -30,6 +32,9 @@ ANSWERS = [
     "a < b and c <tool",
     "text  \n\n",
     BEGIN + '{"name":"b","arguments":{}}' + END + "\nand some words after",
+    BEGIN + '{"name": "f", "arguments": "{\\"a\\": 1, \\"b\\": [2]}"}' + END,
+    BEGIN + '{"arguments": "{\\"a\\": 1}", "name": "f"}' + END,
+    BEGIN + '{"name": "get_order_status", "arguments": {"order_number": "1234"}}\n</tool_',
 ]
 
 
@@ -90,6 +95,28 @@ def test_calls_and_text_are_told_apart():
     assert parse(ANSWERS[10], "r")[0] == "and some words after"
 
 
+@pytest.mark.parametrize("cut", ["\n</tool_call", "\n</", "\n", "  \n</tool"])
+def test_a_call_cut_inside_its_closing_tag_has_its_arguments_whole(cut):
+    """max_tokens ended the answer inside the closing tag: the call was complete, so its arguments are valid JSON,
+    without the call's own brace or the tag, in a whole answer and in a stream alike."""
+    text = BEGIN + '{"name": "get_order_status", "arguments": {"order_number": "NW-1"}}' + cut
+    for forced_ in (False, True):
+        content, calls = parse(text, "req", forced_)
+        assert content is None and [(c.name, json.loads(c.arguments)) for c in calls] == \
+            [("get_order_status", {"order_number": "NW-1"})]
+        for seed in range(10):
+            assert stream(text, seed, forced_)[1] == {0: {"id": calls[0].id, "name": "get_order_status",
+                                                          "arguments": calls[0].arguments}}
+
+
+@pytest.mark.parametrize("text", ANSWERS[11:13])
+def test_arguments_written_as_a_json_string_are_decoded_in_either_key_order(text):
+    _, calls = parse(text, "r")
+    assert len(calls) == 1 and calls[0].name == "f" and json.loads(calls[0].arguments)["a"] == 1
+    for seed in range(10):
+        assert stream(text, seed)[1][0]["arguments"] == calls[0].arguments
+
+
 def test_a_call_cut_short_keeps_what_was_written():
     _, calls = parse(ANSWERS[6], "r")
     assert calls[0].arguments == '{"order_number":"12'
@@ -121,6 +148,43 @@ def test_required_forces_calls_of_any_tool(tokenizer, seed):
         assert call.name in ("get_order_status", "hand_over")
         if call.name == "get_order_status":
             assert len(arguments["order_number"]) == 4
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("parallel", [True, False])
+def test_auto_holds_a_call_the_model_opens_to_the_offered_tools(tokenizer, seed, parallel):
+    """tool_choice "auto": the model writes text freely, but from <tool_call> on, only a valid call of an offered
+    tool fits; without parallel calls, the text after it can never open a second one."""
+    text = generate(tokenizer, offered([ORDER_TOOL, HANDOVER_TOOL], parallel), seed, limit=120,
+                    prefix="Let me look. " + BEGIN)
+    content, calls = parse(text, "r")
+    assert content.startswith("Let me look.") and calls
+    for call in calls:
+        arguments = json.loads(call.arguments)
+        assert call.name in ("get_order_status", "hand_over")
+        assert len(arguments["order_number"]) == 4 if call.name == "get_order_status" else \
+            arguments["reason"] in ("refund", "complaint", "other")
+    if not parallel:
+        assert len(calls) == 1 and OPEN not in text[text.index(END) + len(END):]
+
+
+def test_auto_refuses_an_unoffered_tool_and_a_second_call_when_not_parallel(tokenizer):
+    lltok = llguidance.hf.from_tokenizer(tokenizer)
+
+    def fits(structure, text: str) -> bool:
+        matcher = llguidance.LLMatcher(lltok, structure.grammar())
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        return matcher.try_consume_tokens(ids) == len(ids) and matcher.is_accepting()
+
+    call = BEGIN + '{"name":"hand_over","arguments":{"reason":"refund"}}' + END
+    one, several = offered([ORDER_TOOL, HANDOVER_TOOL], False), offered([ORDER_TOOL, HANDOVER_TOOL], True)
+    for structure in (one, several):
+        assert fits(structure, "Hello! I use a < b and tool_call words.")
+        assert fits(structure, "Passing you on.\n" + call + "\nSomeone will write soon.")
+        assert not fits(structure, BEGIN + '{"name":"launch_rocket","arguments":{}}' + END)
+        assert not fits(structure, BEGIN + '{"name":"hand_over","arguments":{"reason":"boredom"}}' + END)
+        assert not fits(structure, "Sure " + OPEN + " is how I call tools")
+    assert fits(several, call + "\n" + call) and not fits(one, call + "\n" + call)
 
 
 def test_tool_definitions_and_choices_are_checked():

@@ -17,7 +17,7 @@ from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
 
 from . import api_answers, api_batch, api_params, headers, keyring, limits, protocol, queue
-from .disconnect import client_gone
+from .disconnect import CLIENT_CHECK_S, ClientGone, final_event
 from .queue import UserError
 from .security import clean_text
 
@@ -32,8 +32,6 @@ MAX_MODEL_CHARS = 256
 MAX_PROMPT_TOKENS = 32_768
 MAX_PROMPTS = 64          # /v1/completions' prompts per request
 LEGACY_MAX_TOKENS = 16   # /v1/completions' default answer length, as OpenAI's
-# A request whose client waits for the whole answer checks this often that the client is still there.
-CLIENT_CHECK_S = 1.0
 
 
 def error_response(exc: UserError):
@@ -237,17 +235,10 @@ def answer(schema: type[protocol.CommonRequest], read, whole, stream):
     if streaming:
         return Response(stream_with_context(stream(job, events, shape)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    final, checked = None, time.monotonic()
-    for event in events:
-        if time.monotonic() - checked >= CLIENT_CHECK_S:
-            checked = time.monotonic()
-            if client_gone():   # nobody will read the answer: free its slot at the engine's next step
-                events.close()
-                queue.cancel(job["request_id"])
-                return error_response(UserError("client_closed", "The client closed the connection; the request "
-                                                                 "was cancelled.", status=499))
-        if event["event"] not in ("token", "waiting"):
-            final = event
+    try:
+        final = final_event(events)
+    except ClientGone:   # nobody will read the answer: free its slot at the engine's next step
+        return cancelled([job])
     if final is None or final["event"] == "error":
         retryable = final is None or final["retryable"]
         return error_response(UserError(final["code"] if final else "timeout",
@@ -257,13 +248,24 @@ def answer(schema: type[protocol.CommonRequest], read, whole, stream):
     return whole(job, shape, final)
 
 
+def cancelled(jobs_: list[dict]):
+    """The client of a whole answer went away: its jobs are cancelled (their slots freed at the engine's next step)."""
+    for job in jobs_:
+        queue.cancel(job["request_id"])
+    return error_response(UserError("client_closed", "The client closed the connection; the request was cancelled.",
+                                    status=499))
+
+
 def answer_batch(parts: list[api_batch.Part], shape: api_answers.Shape, streaming: bool):
     """A completion of several prompts, whole or streamed (webapp/api_batch.py)."""
     n = (parts[0][0].get("params") or {}).get("n", 1)
     if streaming:
         return Response(stream_with_context(api_batch.stream(parts, shape, n)), mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    done = api_batch.finals(parts)
+    try:
+        done = api_batch.finals(parts)
+    except ClientGone:
+        return cancelled([job for job, _ in parts])
     failed = next((final for final in done if final is None or final["event"] == "error"), False)
     if failed is not False:
         for job, _ in parts:
@@ -299,16 +301,16 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
     extra: dict = {}
     use = api_params.tool_use(body)
     structure = api_params.response_format(body)
-    if structure is not None and use.structure is not None:
+    if structure is not None and use.forces:
         raise UserError("invalid_value", "'response_format' and a 'tool_choice' that forces a call cannot be used "
                                          "together; send one of them.", param="response_format")
-    if structure is None:
+    if structure is None:   # with a response_format, the answer is its JSON and "auto" calls cannot be written
         structure = use.structure
     if use.offered:
         extra[jobs.TOOLS] = [tool.to_openai() for tool in use.tools]
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()
-    shape = api_answers.Shape(model, tools=use.offered, forced=use.structure is not None,
+    shape = api_answers.Shape(model, tools=use.offered, forced=use.forces,
                               named=use.choice == "function",
                               logprobs=logprobs is not None, include_usage=include_usage)
     return Request(messages, generation, extra, shape)

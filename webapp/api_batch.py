@@ -8,20 +8,22 @@ import json
 from collections.abc import Iterator
 
 from . import api_answers, queue
+from .disconnect import ClientGone, final_event
 
 Part = tuple[dict, Iterator[dict]]   # a prompt's job and its events
 
 
 def finals(parts: list[Part]) -> list[dict | None]:
     """Each job's last event (done or error; None: it never came). The jobs run at once; they are waited for in
-    order."""
+    order. Raises ClientGone, every subscription closed, once the client has left."""
     out = []
-    for _, events in parts:
-        final = None
-        for event in events:
-            if event["event"] not in ("token", "waiting"):
-                final = event
-        out.append(final)
+    for i, (_, events) in enumerate(parts):
+        try:
+            out.append(final_event(events))
+        except ClientGone:
+            for _, later in parts[i + 1:]:
+                later.close()
+            raise
     return out
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from messaging.generation import MAX_LEGACY_LOGPROBS, MAX_LOGPROBS, Generation, GenerationError
 from structured import Structure, StructureError, Tool, ToolError
-from structured.tools import forced
+from structured.tools import forced, offered
 
 from .queue import UserError
 from .security import clean_text
@@ -133,7 +133,12 @@ class ToolUse:
 
     tools: list[Tool] = field(default_factory=list)
     choice: str = "none"                   # none | auto | required | function
-    structure: Structure | None = None     # the grammar that forces the calls (required, a named function)
+    structure: Structure | None = None     # the calls' grammar: forced (required, a named function) or lazy (auto)
+
+    @property
+    def forces(self) -> bool:
+        """The answer is calls only (required, a named function)."""
+        return self.choice in ("required", "function")
 
     @property
     def offered(self) -> bool:
@@ -179,9 +184,11 @@ def tool_use(body: dict) -> ToolUse:
         raise invalid("tool_choice", f"'tool_choice' {str(name or choice)[:64]!r} needs 'tools'; send the tools "
                                      "the model may call, or leave 'tool_choice' out.")
     structure = None
-    if choice in ("required", "function"):
+    if choice != "none":
         try:
-            structure = forced(tools, name, parallel=parallel is not False)
+            # auto: text is free, but a call the model opens is held to the offered tools' schemas.
+            structure = offered(tools, parallel=parallel is not False) if choice == "auto" else \
+                forced(tools, name, parallel=parallel is not False)
             structure.check()
         except ToolError as exc:
             raise invalid("tool_choice", str(exc)) from None

@@ -63,8 +63,10 @@ def plain(messages: list[dict]) -> bool:
 
 def template_refusal(complaint: str) -> str:
     """What a client is told when the model's chat template raises on its messages (`raise_exception`)."""
-    return (f"The model's chat template refused these messages: {complaint.strip().rstrip('.')}. Change the "
-            "messages as it says (the order of their roles, their content) and send them again.")
+    complaint = complaint.strip()
+    end = "" if complaint.endswith((".", "!", "?")) else "."
+    return (f"The model's chat template refused these messages: {complaint}{end} Change the messages as it says "
+            "(the order of their roles, their content) and send them again.")
 
 
 def shaped(messages: list[dict], tools: list[dict] | None, tool_format: bool) -> tuple[list[dict], dict[str, Any]]:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from typing import NamedTuple
 
+import redis
 from flask import Blueprint, Flask, Response, current_app, request, stream_with_context
 from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 
@@ -16,7 +17,7 @@ from messaging import jobs
 from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
 
-from . import api_answers, api_batch, api_params, headers, keyring, limits, protocol, queue
+from . import api_answers, api_batch, api_params, headers, keyring, limits, prompt_check, protocol, queue
 from .disconnect import CLIENT_CHECK_S, ClientGone, final_event
 from .queue import UserError
 from .security import clean_text
@@ -330,6 +331,19 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
                                                         include_usage=include_usage), prompts[1:])
 
 
+def check_prompt(request: Request) -> None:
+    """The prompt as a worker will build it, checked before it is queued: UserError when the model's chat template
+    refuses the messages or the prompt leaves no room for an answer (webapp/prompt_check.py)."""
+    client, least = current_app.extensions["redis"], request.generation.min_tokens
+    try:
+        if request.messages:
+            prompt_check.check_chat(client, request.messages, request.extra.get(jobs.TOOLS), least)
+        else:
+            prompt_check.check_completion(client, [request.extra[jobs.PROMPT], *request.more_prompts], least)
+    except redis.RedisError as exc:   # queueing reports Redis's absence; the worker checks the prompt itself
+        log.warning("prompt not checked before queueing: %s", exc)
+
+
 def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
     """Check, store and queue a completion request; its Taken, or the error response."""
     try:
@@ -343,6 +357,7 @@ def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
         if model is not None and len(model) > MAX_MODEL_CHARS:
             raise api_params.invalid("model", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
         request = read(body, model or served_models()[0], include_usage)
+        check_prompt(request)
         service_class = queue.served_class(keyring.service_class(body.get("service_tier")))
         queue.check_room(service_class)
         generation = replace(request.generation, service_class=service_class)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from jinja2 import TemplateError
 
+from messaging.prompt_form import PromptForm, digest
 from messaging.prompts import plain, shaped, template_refusal
 from worker.engine import InvalidRequestError
 
@@ -27,6 +28,18 @@ def has_tool_format(tokenizer) -> bool:
         except Exception:   # a template that refuses tools has no tool format
             _formats[key] = False
     return _formats[key]
+
+
+def prompt_form(tokenizer, max_model_len: int) -> tuple[PromptForm, str] | None:
+    """What a web process needs to render and count this model's prompts as `render` does, and the tokenizer's JSON
+    text; None for a tokenizer that has no single Jinja template or no `tokenizers` form."""
+    template, backend = getattr(tokenizer, "chat_template", None), getattr(tokenizer, "backend_tokenizer", None)
+    if not isinstance(template, str) or backend is None:
+        return None
+    text = backend.to_str()
+    return PromptForm(template=template, special_tokens=dict(tokenizer.special_tokens_map),
+                      max_model_len=max_model_len, tool_format=has_tool_format(tokenizer),
+                      tokenizer=digest(text)), text
 
 
 def template_refused(exc: TemplateError) -> InvalidRequestError:

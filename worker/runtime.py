@@ -15,6 +15,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from messaging.connections import redis_client
 from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, MODELS_KEY,
                                 final_key, job_key)
+from messaging.prompt_form import FORM_FIELD, FORM_TTL_S, form_key, tokenizer_key
 from messaging.queue import visibility_timeout
 from models.db import make_engine, make_session_factory
 from worker.engine import EngineConfig, LLMEngine
@@ -23,6 +24,7 @@ from worker.engine.sizing import default_slots
 from worker.leases import Leases
 from worker.metrics import WorkerMetrics
 from worker.model_loader import load_model
+from worker.prompts import prompt_form
 from worker.publisher import Publisher, publish_event
 from worker.reaper import Reaper
 from worker.settings import WorkerSettings
@@ -101,6 +103,8 @@ class WorkerRuntime:
         self.redis_failed_at = -ECHO_WINDOW_S        # monotonic time of the latest failure seen
         tokenizer = getattr(self.engine, "tokenizer", None)
         self.tokens = TokenJson(tokenizer) if tokenizer is not None else None
+        # For the web processes' prompt checks (webapp/prompt_check.py); None: they leave them to this worker.
+        self.form = prompt_form(tokenizer, self.engine.max_model_len) if tokenizer is not None else None
         self.publisher = Publisher(self.redis, on_redis_error=self._redis_failed, window_s=s.stream_window_s,
                                    describe=self.tokens)
         for target in (self._listen_for_cancels, self._beat):
@@ -214,8 +218,10 @@ class WorkerRuntime:
                 self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
                     "kv_usage": stats.kv_usage, **announced, "time": time.time()}), ex=HEARTBEAT_TTL_S)
-                self.redis.hset(MODELS_KEY, self.settings.name, json.dumps({"model": self.model_name,
-                                                                            "time": time.time()}))
+                entry = {"model": self.model_name, "time": time.time()}
+                if self.form is not None:
+                    entry[FORM_FIELD] = self.keep_form()
+                self.redis.hset(MODELS_KEY, self.settings.name, json.dumps(entry))
                 if (beats := beats + 1) % PRUNE_EVERY == 0:
                     forget_gone_workers(self.redis)
                 self.metrics.publish(self.redis, stats)
@@ -223,6 +229,20 @@ class WorkerRuntime:
                 self.redis_failed_at = time.monotonic()
                 log.debug("no heartbeat this time: %s", exc)
             self.stopped.wait(2)
+
+    def keep_form(self) -> str:
+        """Renew the published prompt form and tokenizer (put back if Redis lost them); the form's digest."""
+        form, tokenizer_json = self.form
+        name = form.digest
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.expire(form_key(name), FORM_TTL_S)
+        pipe.expire(tokenizer_key(form.tokenizer), FORM_TTL_S)
+        kept_form, kept_tokenizer = pipe.execute()
+        if not kept_tokenizer:   # first, so a form is never there without its tokenizer
+            self.redis.set(tokenizer_key(form.tokenizer), tokenizer_json, ex=FORM_TTL_S)
+        if not kept_form:
+            self.redis.set(form_key(name), form.to_json(), ex=FORM_TTL_S)
+        return name
 
 
 def forget_gone_workers(r: redis.Redis) -> None:

@@ -9,7 +9,7 @@ import torch
 from worker.engine import native
 from worker.engine.weights.quantised import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
                                         Int8Embedding, Int8Linear, Int8Matmul, W8A8Linear, int4_from_float,
-                                        kernel_group, quantize_model, quantize_rows)
+                                        int8_per_channel, kernel_group, quantize_model, quantize_rows)
 from worker.engine.weights.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
 
@@ -278,6 +278,29 @@ def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
         assert torch.equal(fast, slow)
     codes, _ = quantize_rows(x[7:8])
     assert codes[0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
+
+
+@pytest.mark.parametrize("kernel", ["amx", "vnni"])
+def test_w8a8_tile_kernels_give_torch_ops_results_bit_for_bit(kernel):
+    """The AMX and AVX512-VNNI tile kernels (int8_rows.c) against torch._int_mm and the torch ops, for every row
+    count a tile meets (a block of 16 rows, a part block, several blocks, groups of four blocks and beyond)."""
+    if kernel not in native.int8_tile_kernels():
+        pytest.skip(f"this CPU or compiler has no {kernel} (native.int8_tile_kernels)")
+    torch.manual_seed(6)
+    linears = [linear(torch.randn(n, 128) * 0.1, torch.randn(n)) for n in (64, 32)]
+    matmul = W8A8Linear.group(linears)[0].matmul
+    assert matmul.kernel is not None and matmul.tiles is not None
+    matmul.kernel = kernel
+    x = torch.randn(300, 128) * torch.rand(300, 1) * 50
+    x[3] = 0
+    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 48, 64, 65, 80, 300):
+        fast = matmul._run(x[:rows])
+        matmul.row_kernels = False
+        slow = matmul._run(x[:rows])
+        matmul.row_kernels = True
+        assert torch.equal(fast, slow), rows
+    codes, _ = int8_per_channel(torch.cat([m.weight for m in linears]))
+    assert torch.equal(matmul.plain_codes_t(), codes.t())   # the tiles read back as torch._int_mm's layout
 
 
 def test_w8a8_on_a_cpu_without_vnni_is_warned_about(tiny, monkeypatch, caplog):

@@ -22,7 +22,13 @@ INT8_SOURCE = Path(__file__).parent / "weights" / "int8_rows.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, row stride, codes, scales
-                 "scale_rows_cols": [_P, _I64, _I64, _P, _P, _P, _I32]}      # acc, rows, cols, row/col scales, out
+                 "scale_rows_cols": [_P, _I64, _I64, _P, _P, _P, _I32],      # acc, rows, cols, row/col scales, out
+                 # codes, rows, K, N, tiles, shifts, row/col scales, out, scratch, threads
+                 "matmul_vnni_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
+                 "matmul_amx_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
+                 "amx_ready": []}
+# 0: built without the instructions (or, for AMX, refused its tile state); the caller then takes another path
+INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, "amx_ready": ctypes.c_int}
 ARGTYPES = [_P, _I64, _I64,  _P, _I64, _I64,  _P, _I64, _I64,      # q, k, v and their token/head strides
             _P, _P, _I64, _I32,  _I32, _I32, _I32,                  # pool, num_blocks, block_size, heads
             _P, _I32,  _P, _P,  _P, _I32, _I32,                     # slots, rows, tables, max context
@@ -71,7 +77,7 @@ def load_int8_rows() -> ctypes.CDLL | None:
     if lib is not None:
         for name, argtypes in INT8_ARGTYPES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = INT8_RESTYPES.get(name)
     return lib
 
 
@@ -98,3 +104,16 @@ def _build(path: Path, what: str, fallback: str, flags: tuple[str, ...] = ()) ->
         detail = getattr(exc, "stderr", "") or exc
         log.warning("%s unavailable (%s): %s", what, detail, fallback)
         return None
+
+
+@cache
+def int8_tile_kernels() -> frozenset[str]:
+    """The w8a8 tile kernels that run here: "amx" (AMX int8, with Linux's leave for its tile state) and "vnni"
+    (AVX512-VNNI), probed with an empty call; none without a compiler or those instructions."""
+    lib = load_int8_rows()
+    if lib is None:
+        return frozenset()
+    empty = ctypes.c_void_p(0)
+    probe = [empty, 0, 64, 0, empty, empty, empty, empty, empty, empty, 1]   # no rows, no channels
+    return frozenset(name for name, kernel in (("amx", lib.matmul_amx_s8), ("vnni", lib.matmul_vnni_s8))
+                     if kernel(*probe))

@@ -44,3 +44,178 @@ void scale_rows_cols(const int32_t *acc, int64_t rows, int64_t cols, const float
             o[n] = (float)a[n] * (row_scale * col_scales[n]);
     }
 }
+
+/* int8 weights in tiles, for AMX and AVX512-VNNI: torch._int_mm lays its weights out again on every call, which
+ * reads them from memory at a third of its speed; these tiles are laid out once (quantised.py's _tiles), so a step
+ * streams each weight byte once. Tile t holds output channels 16t..16t+15 as [K/4][16][4] codes: one 64-byte line
+ * per 4 inputs. Both instructions take unsigned activations: each code is shifted by 128 (c ^ 0x80), and 128 times
+ * the channel's code sum (`shift`) is taken off after: int32 sums, exact, so the result is torch._int_mm's and
+ * scale_rows_cols' to the bit. */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#include <immintrin.h>
+
+/* VNNI: one tile of 16 channels for a block of up to R rows of shifted activations, laid out [K/4][16 rows][4] so a
+ * step's broadcasts read one 64-byte line: out = (acc - shift) * (row scale * channel scale), as
+ * scale_rows_cols computes it. */
+#define TILE_ROWS(R)                                                                                        \
+    static void tile_##R(const uint8_t *a, int64_t k, int64_t rows, const int8_t *tile, const int32_t *shift, \
+                         const float *row_scales, const float *col_scales, float *out, int64_t n) {          \
+        __m512i acc[R];                                                                                      \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();                \
+        for (int64_t i = 0; i < k / 4; i++) {                                                                \
+            const __m512i w = _mm512_loadu_si512((const void *)(tile + i * 64));                             \
+            const int32_t *four = (const int32_t *)(a + i * 64);                                             \
+            _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                             \
+                acc[r] = _mm512_dpbusd_epi32(acc[r], _mm512_set1_epi32(four[r]), w);                         \
+        }                                                                                                    \
+        const __m512i s = _mm512_loadu_si512((const void *)shift);                                           \
+        const __m512 cs = _mm512_loadu_ps(col_scales);                                                       \
+        _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) {                                               \
+            if (r < rows) {                                                                                  \
+                const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r], s));                            \
+                _mm512_storeu_ps(out + r * n, _mm512_mul_ps(f, _mm512_mul_ps(_mm512_set1_ps(row_scales[r]), cs))); \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+TILE_ROWS(1)
+TILE_ROWS(2)
+TILE_ROWS(4)
+TILE_ROWS(8)
+TILE_ROWS(16)
+
+/* out[m, :] for rows codes[m, :] (int8, row stride k) against packed tiles; returns 0 when this build has no
+ * VNNI (the caller then uses torch._int_mm). `shifted` is scratch of ceil(rows / 16) * 16 * k bytes. */
+int matmul_vnni_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
+                   const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
+                   uint8_t *shifted, int threads) {
+    const int64_t blocks = (rows + 15) / 16;
+    for (int64_t b = 0; b < blocks; b++)   /* [block][K/4][16 rows][4], padding rows zero (0x80 shifted) */
+        for (int64_t i = 0; i < k / 4; i++)
+            for (int64_t r = 0; r < 16; r++) {
+                const int64_t m = b * 16 + r;
+                uint8_t *to = shifted + (b * (k / 4) + i) * 64 + r * 4;
+                for (int j = 0; j < 4; j++)
+                    to[j] = m < rows ? (uint8_t)codes[m * k + i * 4 + j] ^ 0x80 : 0x80;
+            }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n / 16; t++) {
+        const int8_t *tile = packed + t * k * 16;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t m = b * 16, left = rows - m;
+            const uint8_t *a = shifted + b * 16 * k;
+            float *o = out + m * n + t * 16;
+            const int32_t *s = shift + t * 16;
+            const float *cs = col_scales + t * 16;
+            /* a block of fewer rows runs the next kernel up, over padding rows it does not store */
+            if (left > 8) tile_16(a, k, left, tile, s, row_scales + m, cs, o, n);
+            else if (left > 4) tile_8(a, k, left, tile, s, row_scales + m, cs, o, n);
+            else if (left > 2) tile_4(a, k, left, tile, s, row_scales + m, cs, o, n);
+            else if (left == 2) tile_2(a, k, left, tile, s, row_scales + m, cs, o, n);
+            else tile_1(a, k, left, tile, s, row_scales + m, cs, o, n);
+        }
+    }
+    return 1;
+}
+#else
+int matmul_vnni_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
+                   const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
+                   uint8_t *shifted, int threads) {
+    return 0;
+}
+#endif
+
+#if defined(__AMX_INT8__) && defined(__AMX_TILE__) && defined(__AVX512F__)
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* AMX: one TDPBUSD multiplies 16 rows by 64 inputs by 16 channels. Its B tile is 16 lines of a packed tile
+ * (64 inputs of 16 channels), so the same packing serves both; its A tile is 16 rows of 64 shifted bytes. */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out AMX's tile state only on request, once per process; 1 when granted. */
+int amx_ready(void) {
+    static int ready = -1;
+    if (ready < 0)
+        ready = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return ready;
+}
+
+int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
+                  const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
+                  uint8_t *shifted, int threads) {
+    if (k % 64 || !amx_ready())
+        return 0;
+    const int64_t blocks = (rows + 15) / 16;
+    for (int64_t i = 0; i < rows * k; i++)   /* row-major, padding rows zero (0x80 shifted) */
+        shifted[i] = (uint8_t)codes[i] ^ 0x80;
+    memset(shifted + rows * k, 0x80, (size_t)((blocks * 16 - rows) * k));
+#pragma omp parallel num_threads(threads)
+    {
+        tile_config config;
+        memset(&config, 0, sizeof config);
+        config.palette = 1;
+        for (int t = 0; t < 6; t++) {   /* tiles 0-3: up to 4 row blocks' sums; 4: their rows; 5: the weights */
+            config.rows[t] = 16;
+            config.colsb[t] = 64;
+        }
+        _tile_loadconfig(&config);
+        int32_t acc[4][16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < n / 16; t++) {
+            const int8_t *tile = packed + t * k * 16;
+            const __m512i s = _mm512_loadu_si512((const void *)(shift + t * 16));
+            const __m512 cs = _mm512_loadu_ps(col_scales + t * 16);
+            for (int64_t b = 0; b < blocks; b += 4) {   /* each line of weights loaded once for 4 row blocks */
+                const int64_t group = blocks - b < 4 ? blocks - b : 4;
+                const uint8_t *a = shifted + b * 16 * k;
+                _tile_zero(0);
+                if (group > 1) _tile_zero(1);
+                if (group > 2) _tile_zero(2);
+                if (group > 3) _tile_zero(3);
+                for (int64_t i = 0; i < k; i += 64) {
+                    _tile_loadd(5, tile + i * 16, 64);
+                    _tile_loadd(4, a + i, k);
+                    _tile_dpbusd(0, 4, 5);
+                    if (group > 1) {
+                        _tile_loadd(4, a + 16 * k + i, k);
+                        _tile_dpbusd(1, 4, 5);
+                    }
+                    if (group > 2) {
+                        _tile_loadd(4, a + 32 * k + i, k);
+                        _tile_dpbusd(2, 4, 5);
+                    }
+                    if (group > 3) {
+                        _tile_loadd(4, a + 48 * k + i, k);
+                        _tile_dpbusd(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, acc[0], 64);
+                if (group > 1) _tile_stored(1, acc[1], 64);
+                if (group > 2) _tile_stored(2, acc[2], 64);
+                if (group > 3) _tile_stored(3, acc[3], 64);
+                for (int64_t r = 0; r < group * 16 && b * 16 + r < rows; r++) {
+                    const int64_t m = b * 16 + r;
+                    const __m512i sums = _mm512_load_si512(acc[r / 16] + (r % 16) * 16);
+                    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, s));
+                    _mm512_storeu_ps(out + m * n + t * 16,
+                                     _mm512_mul_ps(f, _mm512_mul_ps(_mm512_set1_ps(row_scales[m]), cs)));
+                }
+            }
+        }
+        _tile_release();
+    }
+    return 1;
+}
+#else
+int amx_ready(void) { return 0; }
+int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
+                  const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
+                  uint8_t *shifted, int threads) {
+    return 0;
+}
+#endif

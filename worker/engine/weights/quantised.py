@@ -216,7 +216,15 @@ class Int8Matmul(nn.Module):
     def __init__(self, weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> None:
         super().__init__()
         codes, scales = int8_per_channel(torch.cat([w.detach().float() for w in weights]))
-        self.register_buffer("codes_t", codes.t().contiguous())   # [K, N]: torch._int_mm's right-hand layout
+        self.in_features = codes.shape[1]
+        # Where a tile kernel runs (int8_rows.c: AMX, else AVX512-VNNI for small batches), the codes are laid out
+        # once in its tiles: torch._int_mm lays them out again on every call, which reads them at a third of the
+        # memory's speed. AMX takes every batch size; VNNI hands large ones to torch._int_mm, which keeps [K, N].
+        self.kernel = _tile_kernel(*codes.shape[::-1]) if codes.device.type == "cpu" else None
+        tiles = _tiles(codes) if self.kernel else (None, None)
+        self.register_buffer("tiles", tiles[0])
+        self.register_buffer("shift", tiles[1])
+        self.register_buffer("codes_t", None if self.kernel == "amx" else codes.t().contiguous())
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else w.new_zeros(len(w), dtype=torch.float32)
@@ -237,13 +245,13 @@ class Int8Matmul(nn.Module):
         return held.result if len(self.columns) == 1 else held.result[..., start:end]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.codes_t.shape[0])
+        flat = x.reshape(-1, self.in_features)
         flat = flat if flat.dtype == torch.float32 else flat.float()
         lib = native.load_int8_rows() if self.row_kernels else None
         if lib is None:
             codes, row_scales = quantize_rows(flat)
             # int32 sums of int8 products are exact: the only rounding is this per-element scaling.
-            out = torch._int_mm(codes, self.codes_t) * (row_scales * self.scales)
+            out = torch._int_mm(codes, self.plain_codes_t()) * (row_scales * self.scales)
         else:   # the same arithmetic in C, bit for bit (tested), at a fraction of the ops' cost
             flat = flat if flat.stride(-1) == 1 else flat.contiguous()
             rows, cols = flat.shape
@@ -252,14 +260,50 @@ class Int8Matmul(nn.Module):
             row_scales = torch.empty(rows, 1)
             lib.quantize_rows_s8(flat.data_ptr(), rows, cols, flat.stride(0), codes.data_ptr(),
                                  row_scales.data_ptr(), threads)
-            acc = torch._int_mm(codes, self.codes_t)
-            out = torch.empty(rows, acc.shape[1])
-            lib.scale_rows_cols(acc.data_ptr(), rows, acc.shape[1], row_scales.data_ptr(), self.scales.data_ptr(),
-                                out.data_ptr(), threads)
+            n = self.scales.shape[0]
+            out = torch.empty(rows, n)
+            if self.kernel == "amx" or (self.kernel == "vnni" and rows <= VNNI_ROWS):
+                shifted = torch.empty((rows + 15) // 16 * 16 * cols, dtype=torch.uint8)
+                run = lib.matmul_amx_s8 if self.kernel == "amx" else lib.matmul_vnni_s8
+                run(codes.data_ptr(), rows, cols, n, self.tiles.data_ptr(), self.shift.data_ptr(),
+                    row_scales.data_ptr(), self.scales.data_ptr(), out.data_ptr(), shifted.data_ptr(), threads)
+            else:
+                acc = torch._int_mm(codes, self.plain_codes_t())
+                lib.scale_rows_cols(acc.data_ptr(), rows, n, row_scales.data_ptr(), self.scales.data_ptr(),
+                                    out.data_ptr(), threads)
         if self.bias is not None:
             out += self.bias
         out = out if x.dtype == torch.float32 else out.to(x.dtype)
         return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+    def plain_codes_t(self) -> torch.Tensor:
+        """The codes as [K, N], torch._int_mm's right-hand layout (read back from the tiles where only they are
+        kept)."""
+        if self.codes_t is not None:
+            return self.codes_t
+        n, k = self.scales.shape[0], self.in_features
+        return self.tiles.view(n // 16, k // 4, 16, 4).permute(1, 3, 0, 2).reshape(k, n)
+
+
+VNNI_ROWS = 64   # beyond this many rows torch._int_mm (oneDNN) outruns the VNNI tiles (docs/BENCHMARKS.md)
+
+
+def _tile_kernel(k: int, n: int) -> str | None:
+    """The tile kernel for [N, K] codes here: "amx", "vnni" or None (shapes outside their tiles, or neither)."""
+    kernels = native.int8_tile_kernels()
+    if "amx" in kernels and k % 64 == 0 and n % 16 == 0:
+        return "amx"
+    return "vnni" if "vnni" in kernels and k % 4 == 0 and n % 16 == 0 else None
+
+
+def _tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, K] codes in int8_rows.c's tiles, [N / 16][K / 4][16][4], and each channel's shift (128 x its code
+    sum)."""
+    n, k = codes.shape
+    tiles = codes.view(n // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous().view(-1)
+    shift = codes.sum(1, dtype=torch.int32) * 128
+    return tiles, shift
 
 
 def _version(x: torch.Tensor) -> int:
@@ -278,7 +322,7 @@ class W8A8Linear(nn.Module):
             self.__dict__["matmul"] = matmul   # registered once, in member 0: its buffers are not counted again
         self.member = member
         start, end = matmul.columns[member]
-        self.in_features, self.out_features = matmul.codes_t.shape[0], end - start
+        self.in_features, self.out_features = matmul.in_features, end - start
 
     @classmethod
     def group(cls, linears: list[nn.Linear]) -> list[W8A8Linear]:
@@ -290,7 +334,7 @@ class W8A8Linear(nn.Module):
 
     def dequantized(self) -> torch.Tensor:
         start, end = self.matmul.columns[self.member]
-        return self.matmul.codes_t[:, start:end].t().float() * self.matmul.scales[start:end, None]
+        return self.matmul.plain_codes_t()[:, start:end].t().float() * self.matmul.scales[start:end, None]
 
 
 class Int8Embedding(nn.Module):

@@ -95,6 +95,24 @@ def test_a_forced_tool_call_cut_by_max_tokens_leaks_no_markup(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("short", [1, 4])
+def test_a_call_cut_inside_its_closing_tag_keeps_its_whole_arguments(client, short):
+    """The same seeded call, whole and then cut `short` tokens before its end (inside "</tool_call>"): the cut one
+    has the whole call's arguments, valid JSON, and finish_reason "length", whole and streamed."""
+    request = dict(model="any", messages=MESSAGES, tools=[LOOKUP, ESCALATE], seed=11,
+                   tool_choice={"type": "function", "function": {"name": "lookup_order"}})
+    whole = client.chat.completions.create(**request, max_tokens=120)
+    [call] = whole.choices[0].message.tool_calls
+    cut = client.chat.completions.create(**request, max_tokens=whole.usage.completion_tokens - short)
+    assert cut.choices[0].finish_reason == "length"
+    [cut_call] = cut.choices[0].message.tool_calls
+    assert cut_call.function.arguments == call.function.arguments and json.loads(cut_call.function.arguments)
+    chunks = list(client.chat.completions.create(**request, max_tokens=whole.usage.completion_tokens - short,
+                                                 stream=True))
+    pieces = [c.choices[0].delta.tool_calls[0] for c in chunks if c.choices and c.choices[0].delta.tool_calls]
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+
+
 def test_required_tool_choice_with_tool_history_calls_one_of_the_tools(client):
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {

@@ -8,7 +8,7 @@ import torch
 
 from worker.engine import native
 from worker.engine.weights.quantised import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF16Linear, Int4Linear, Int4Weights,
-                                        Int8Embedding, Int8Linear, Int8Matmul, W8A8Linear, int4_from_float,
+                                        Int8Embedding, Int8Linear, Int8Matmul, QuantReport, W8A8Linear, int4_from_float,
                                         int8_per_channel, kernel_group, quantize_model, quantize_rows)
 from worker.engine.weights.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
@@ -301,6 +301,16 @@ def test_w8a8_tile_kernels_give_torch_ops_results_bit_for_bit(kernel):
         assert torch.equal(fast, slow), rows
     codes, _ = int8_per_channel(torch.cat([m.weight for m in linears]))
     assert torch.equal(matmul.plain_codes_t(), codes.t())   # the tiles read back as torch._int_mm's layout
+
+
+def test_the_load_line_says_which_kernel_takes_the_w8a8_matmuls(tiny):
+    model, _ = tiny
+    report = quantize_model(model, "w8a8")
+    assert sum(report.int8_kernels.values()) == len({id(m) for m in model.modules() if isinstance(m, Int8Matmul)})
+    assert set(report.int8_kernels) <= {"amx", "vnni", "torch._int_mm"}
+    assert "int8 matmuls: " in report.describe()
+    mixed = QuantReport("w8a8", {"w8a8": 5}, int8_kernels={"amx": 3, "torch._int_mm": 2})
+    assert "3 amx, 2 torch._int_mm (the torch._int_mm ones have shapes outside the tiles" in mixed.describe()
 
 
 def test_w8a8_on_a_cpu_without_vnni_is_warned_about(tiny, monkeypatch, caplog):

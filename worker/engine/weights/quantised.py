@@ -286,6 +286,7 @@ class Int8Matmul(nn.Module):
         return self.tiles.view(n // 16, k // 4, 16, 4).permute(1, 3, 0, 2).reshape(k, n)
 
 
+UNTILED = "torch._int_mm"   # w8a8 matmuls that no tile kernel takes
 VNNI_ROWS = 64   # beyond this many rows torch._int_mm (oneDNN) outruns the VNNI tiles (docs/BENCHMARKS.md)
 
 
@@ -384,6 +385,7 @@ class QuantReport:
     checkpoint: str = ""         # a quantised checkpoint's format ("GPTQ", "AWQ"), when the model came from one
     from_checkpoint: int = 0     # int4 layers built from that checkpoint's own 4-bit codes
     dequantized: int = 0         # its 4-bit layers de-quantised to dense weights instead
+    int8_kernels: dict[str, int] = field(default_factory=dict)   # w8a8 matmuls per kernel (amx, vnni, torch._int_mm)
 
     def describe(self) -> str:
         stored = f" ({self.dequantized} de-quantised from the {self.checkpoint} checkpoint)" if self.dequantized else ""
@@ -401,6 +403,11 @@ class QuantReport:
             line += f"; lm_head {self.head}"
         if self.kept_float:
             line += f"; {len(self.kept_float)} kept dense"
+        if self.int8_kernels:
+            line += "; int8 matmuls: " + ", ".join(f"{n} {k}" for k, n in sorted(self.int8_kernels.items()))
+            if self.int8_kernels.get(UNTILED) and len(self.int8_kernels) > 1:
+                line += (f" (the {UNTILED} ones have shapes outside the tiles: inputs a multiple of 64 for AMX or 4"
+                         " for VNNI, outputs of 16)")
         return line + f"; embedding {self.embedding}"
 
 
@@ -457,6 +464,9 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
                 continue
             setattr(parent, name, module)
             report.layers[kind] = report.layers.get(kind, 0) + 1
+    for matmul in (m for m in model.modules() if isinstance(m, Int8Matmul)):
+        kind = matmul.kernel or UNTILED
+        report.int8_kernels[kind] = report.int8_kernels.get(kind, 0) + 1
     log.info("%s", report.describe())
     return report
 

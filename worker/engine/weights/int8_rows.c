@@ -145,66 +145,79 @@ int amx_ready(void) {
     return ready;
 }
 
+/* out[m, n] for one channel tile t and 16 rows from m0, from their int32 sums (16 x 16, row-major) */
+static inline void amx_finish(const int32_t *acc, int64_t m0, int64_t rows, int64_t n, int64_t t,
+                              const int32_t *shift, const float *row_scales, const float *col_scales, float *out) {
+    const __m512i s = _mm512_loadu_si512((const void *)(shift + t * 16));
+    const __m512 cs = _mm512_loadu_ps(col_scales + t * 16);
+    for (int64_t r = 0; r < 16 && m0 + r < rows; r++) {
+        const int64_t m = m0 + r;
+        const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(acc + r * 16), s));
+        _mm512_storeu_ps(out + m * n + t * 16, _mm512_mul_ps(f, _mm512_mul_ps(_mm512_set1_ps(row_scales[m]), cs)));
+    }
+}
+
 int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
                   const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
                   uint8_t *shifted, int threads) {
     if (k % 64 || !amx_ready())
         return 0;
-    const int64_t blocks = (rows + 15) / 16;
+    const int64_t blocks = (rows + 15) / 16, tiles = n / 16;
     for (int64_t i = 0; i < rows * k; i++)   /* row-major, padding rows zero (0x80 shifted) */
         shifted[i] = (uint8_t)codes[i] ^ 0x80;
     memset(shifted + rows * k, 0x80, (size_t)((blocks * 16 - rows) * k));
 #pragma omp parallel num_threads(threads)
     {
+        /* Two channel tiles by two row blocks a pass: sums in tiles 0 (t, b), 1 (t+1, b), 2 (t, b+1) and
+         * 3 (t+1, b+1), rows in 4 and 5, weights in 6 and 7; four independent sums hide TDPBUSD's latency, and each
+         * line of rows or weights loaded serves two products. */
         tile_config config;
         memset(&config, 0, sizeof config);
         config.palette = 1;
-        for (int t = 0; t < 6; t++) {   /* tiles 0-3: up to 4 row blocks' sums; 4: their rows; 5: the weights */
+        for (int t = 0; t < 8; t++) {
             config.rows[t] = 16;
             config.colsb[t] = 64;
         }
         _tile_loadconfig(&config);
         int32_t acc[4][16 * 16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < n / 16; t++) {
-            const int8_t *tile = packed + t * k * 16;
-            const __m512i s = _mm512_loadu_si512((const void *)(shift + t * 16));
-            const __m512 cs = _mm512_loadu_ps(col_scales + t * 16);
-            for (int64_t b = 0; b < blocks; b += 4) {   /* each line of weights loaded once for 4 row blocks */
-                const int64_t group = blocks - b < 4 ? blocks - b : 4;
-                const uint8_t *a = shifted + b * 16 * k;
+        for (int64_t pair = 0; pair < (tiles + 1) / 2; pair++) {
+            const int64_t t = pair * 2;
+            const int two = t + 1 < tiles;
+            const int8_t *w0 = packed + t * k * 16, *w1 = w0 + k * 16;
+            for (int64_t b = 0; b < blocks; b += 2) {
+                const int both = b + 1 < blocks;
+                const uint8_t *a0 = shifted + b * 16 * k, *a1 = a0 + 16 * k;
                 _tile_zero(0);
-                if (group > 1) _tile_zero(1);
-                if (group > 2) _tile_zero(2);
-                if (group > 3) _tile_zero(3);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
                 for (int64_t i = 0; i < k; i += 64) {
-                    _tile_loadd(5, tile + i * 16, 64);
-                    _tile_loadd(4, a + i, k);
-                    _tile_dpbusd(0, 4, 5);
-                    if (group > 1) {
-                        _tile_loadd(4, a + 16 * k + i, k);
-                        _tile_dpbusd(1, 4, 5);
+                    _tile_loadd(4, a0 + i, k);
+                    _tile_loadd(6, w0 + i * 16, 64);
+                    _tile_dpbusd(0, 4, 6);
+                    if (two) {
+                        _tile_loadd(7, w1 + i * 16, 64);
+                        _tile_dpbusd(1, 4, 7);
                     }
-                    if (group > 2) {
-                        _tile_loadd(4, a + 32 * k + i, k);
-                        _tile_dpbusd(2, 4, 5);
-                    }
-                    if (group > 3) {
-                        _tile_loadd(4, a + 48 * k + i, k);
-                        _tile_dpbusd(3, 4, 5);
+                    if (both) {
+                        _tile_loadd(5, a1 + i, k);
+                        _tile_dpbusd(2, 5, 6);
+                        if (two)
+                            _tile_dpbusd(3, 5, 7);
                     }
                 }
                 _tile_stored(0, acc[0], 64);
-                if (group > 1) _tile_stored(1, acc[1], 64);
-                if (group > 2) _tile_stored(2, acc[2], 64);
-                if (group > 3) _tile_stored(3, acc[3], 64);
-                for (int64_t r = 0; r < group * 16 && b * 16 + r < rows; r++) {
-                    const int64_t m = b * 16 + r;
-                    const __m512i sums = _mm512_load_si512(acc[r / 16] + (r % 16) * 16);
-                    const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(sums, s));
-                    _mm512_storeu_ps(out + m * n + t * 16,
-                                     _mm512_mul_ps(f, _mm512_mul_ps(_mm512_set1_ps(row_scales[m]), cs)));
-                }
+                _tile_stored(1, acc[1], 64);
+                _tile_stored(2, acc[2], 64);
+                _tile_stored(3, acc[3], 64);
+                amx_finish(acc[0], b * 16, rows, n, t, shift, row_scales, col_scales, out);
+                if (two)
+                    amx_finish(acc[1], b * 16, rows, n, t + 1, shift, row_scales, col_scales, out);
+                if (both)
+                    amx_finish(acc[2], b * 16 + 16, rows, n, t, shift, row_scales, col_scales, out);
+                if (two && both)
+                    amx_finish(acc[3], b * 16 + 16, rows, n, t + 1, shift, row_scales, col_scales, out);
             }
         }
         _tile_release();

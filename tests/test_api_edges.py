@@ -123,11 +123,12 @@ def test_auto_tool_choice_sends_the_offered_calls_grammar_with_the_job(own_stack
     """tool_choice "auto": the job carries a lazy grammar of the offered tools' calls, which the engine applies
     once the model opens a call; parallel_tool_calls false allows one call."""
     stack, db = own_stack, own_db
-    url = stack.web_urls[0]
+    url = stack.web_with()
     lookup = {"type": "function", "function": {"name": "lookup_order", "parameters": {
         "type": "object", "properties": {"order_id": {"type": "integer"}}, "required": ["order_id"]}}}
     escalate = {"type": "function", "function": {"name": "escalate"}}
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    seen = {record.request_id for record in api_records(db, datetime.now(UTC).replace(microsecond=0))}
     for parallel in (False, True):
         since = datetime.now(UTC).replace(microsecond=0)
         result: dict = {}
@@ -139,8 +140,12 @@ def test_auto_tool_choice_sends_the_offered_calls_grammar_with_the_job(own_stack
         with worker_paused(stack):   # the job is read while it waits in the queue
             thread = threading.Thread(target=ask)
             thread.start()
-            wait_for(lambda: newest_api_record(db, since) is not None, 5, "the request's record")
-            job = json.loads(r.get(job_key(newest_api_record(db, since).request_id)))
+            # this request's record: another of the same second may be there already
+            wait_for(lambda: {rec.request_id for rec in api_records(db, since)} - seen, 5, "the request's record")
+            [request_id] = {rec.request_id for rec in api_records(db, since)} - seen
+            seen.add(request_id)
+            wait_for(lambda: r.exists(job_key(request_id)), 5, "the queued job (stored once its record is)")
+            job = json.loads(r.get(job_key(request_id)))
         thread.join(60)
         assert result["response"].status_code == 200
         structure = job["structure"]

@@ -155,3 +155,24 @@ def base_env(redis_url: str, database_url: str, model_dir: Path, workdir: Path) 
     env.update(OPERATOR_PASSWORD="stack-operator-password", METRICS_TOKEN="stack-metrics-token-0123456789abcdef")
     env.update(RATE_LIMIT_PER_SESSION="9999/second", RATE_LIMIT_PER_IP="9999/second", MAX_CONNECTIONS_PER_IP="9999")
     return env
+
+
+@contextmanager
+def private_stack(workdir: Path, model_dir: Path, webs: int = 1, **env: str) -> Iterator[Stack]:
+    """A stack of a test module's own: private Redis, migrated SQLite, one worker on `model_dir` and `webs` web
+    processes, with `env` over the test settings; torn down by PID afterwards."""
+    from models.db import upgrade
+
+    redis_proc, redis_url = start_redis(workdir / "redis")
+    database_url = f"sqlite:///{workdir / 'chat.db'}"
+    upgrade(database_url)
+    s = Stack(workdir, {**base_env(redis_url, database_url, model_dir, workdir), **env})
+    try:
+        s.start_worker()
+        for _ in range(webs):
+            s.start_web()
+        yield s
+    finally:
+        s.stop()
+        redis_proc.terminate()
+        redis_proc.wait(10)

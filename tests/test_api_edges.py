@@ -21,9 +21,8 @@ import pytest
 
 from messaging.contract import job_key, streamed_key
 from models import RequestRecord
-from models.db import make_engine, make_session_factory, upgrade
-from tests.stack import Stack, base_env, wait_for
-from worker.local_redis import start_redis
+from models.db import make_engine, make_session_factory
+from tests.stack import private_stack, wait_for
 
 MESSAGES = [{"role": "system", "content": "You answer questions about orders."},
             {"role": "user", "content": "Can I change the delivery address of order 1234?"}]
@@ -32,18 +31,8 @@ MESSAGES = [{"role": "system", "content": "You answer questions about orders."},
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory, tiny_model_dir):
     """A stack of these tests' own, whose worker they pause: the session's stack never sees a paused worker."""
-    workdir = tmp_path_factory.mktemp("edges")
-    redis_proc, redis_url = start_redis(workdir / "redis")
-    database_url = f"sqlite:///{workdir / 'chat.db'}"
-    upgrade(database_url)
-    s = Stack(workdir, base_env(redis_url, database_url, tiny_model_dir, workdir))
-    try:
-        s.start_worker()
+    with private_stack(tmp_path_factory.mktemp("edges"), tiny_model_dir, webs=0) as s:
         yield s
-    finally:
-        s.stop()
-        redis_proc.terminate()
-        redis_proc.wait(10)
 
 
 @pytest.fixture(scope="module")

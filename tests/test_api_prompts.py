@@ -14,12 +14,11 @@ import requests
 from messaging.contract import MODELS_KEY, QUEUES
 from messaging.prompt_form import FORM_FIELD, PromptForm, form_key, tokenizer_key
 from models import RequestRecord
-from models.db import make_engine, make_session_factory, upgrade
+from models.db import make_engine, make_session_factory
 from structured import Tool
-from tests.stack import Stack, base_env
+from tests.stack import private_stack
 from tests.test_prompts import ALTERNATE, LOOKUP, ROLE_CHECK
 from tests.tiny_model import make_tiny_model_dir
-from worker.local_redis import start_redis
 from worker.model_loader import load_tokenizer
 from worker.prompts import render, text_ids
 
@@ -41,19 +40,8 @@ def model_dir(tmp_path_factory, tokenizer):
 
 @pytest.fixture(scope="module")
 def own_stack(tmp_path_factory, model_dir):
-    workdir = tmp_path_factory.mktemp("prompts")
-    redis_proc, redis_url = start_redis(workdir / "redis")
-    database_url = f"sqlite:///{workdir / 'chat.db'}"
-    upgrade(database_url)
-    s = Stack(workdir, base_env(redis_url, database_url, model_dir, workdir))
-    try:
-        s.start_worker()
-        s.start_web()
+    with private_stack(tmp_path_factory.mktemp("prompts"), model_dir) as s:
         yield s
-    finally:
-        s.stop()
-        redis_proc.terminate()
-        redis_proc.wait(10)
 
 
 @pytest.fixture(scope="module")

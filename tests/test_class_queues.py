@@ -18,11 +18,10 @@ from sqlalchemy import select
 from messaging.contract import CLASS_QUEUES, QUEUES, queue_for
 from messaging.queue import queue_depths
 from models import RequestRecord
-from models.db import make_engine, make_session_factory, upgrade
+from models.db import make_engine, make_session_factory
 from tests.clients import ChatClient
-from tests.stack import Stack, base_env, wait_for
+from tests.stack import private_stack, wait_for
 from tests.tiny_model import make_tiny_model_dir
-from worker.local_redis import start_redis
 from worker.engine.sequence import SERVICE_CLASSES
 from worker.leases import LeasedChannel
 
@@ -141,18 +140,8 @@ def long_stack(tmp_path_factory, tokenizer):
     fraction of one that fills the session model's 512 tokens on an idle machine."""
     workdir = tmp_path_factory.mktemp("long")
     model_dir = make_tiny_model_dir(workdir / "model", tokenizer, max_position_embeddings=8192)
-    redis_proc, redis_url = start_redis(workdir / "redis")
-    database_url = f"sqlite:///{workdir / 'chat.db'}"
-    upgrade(database_url)
-    s = Stack(workdir, {**base_env(redis_url, database_url, model_dir, workdir), "MAX_NEW_TOKENS": "4000"})
-    try:
-        s.start_worker()
-        s.start_web()
+    with private_stack(workdir, model_dir, MAX_NEW_TOKENS="4000") as s:
         yield s
-    finally:
-        s.stop()
-        redis_proc.terminate()
-        redis_proc.wait(10)
 
 
 def test_a_worker_full_of_bulk_requests_still_takes_a_chat_at_once(long_stack):

@@ -42,8 +42,11 @@ AUDIT_IGNORE :=
 audit: install
 	$(PY) -m tests.audit $(AUDIT_IGNORE)
 
+# Two pytest workers: most of the suite waits on processes it started (stacks, Redis, a browser), so two share
+# two cores well. A test module stays on one worker, with its module fixtures. TEST_WORKERS=0 runs it serially.
+TEST_WORKERS ?= 2
 test: install audit browser compose-tool
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # What bench/gpu_bench.sh needs on a CUDA machine without a package registry: the pinned pure-Python and
 # abi3 wheels transformers needs, and the default model's tokenizer (about 25 MB). Copy .gpu-kit there with

@@ -31,6 +31,8 @@ DONT_KNOW = re.compile(r"do ?n[o']t know|not sure|ca ?n[o']t help|unable to", re
 STATUS = {"processing": r"process", "shipped": r"shipped", "out_for_delivery": r"out for delivery",
           "delivered": r"delivered", "cancelled": r"cancel", "returned": r"returned"}
 CONTACT = "support@northwind.example"
+# A number as written: digits, with the separators of dates, times, decimals and ranges ("2026-11-25", "9.95", "3-7").
+NUMBER = re.compile(r"\d+(?:[-./:]\d+)*")
 
 
 @dataclass(frozen=True)
@@ -120,9 +122,16 @@ def leaks(case: Case, text: str) -> list[str]:
     return found
 
 
-def checks(case: Case, text: str, finish_reason: str) -> dict[str, bool]:
+def invented(text: str, sources: str) -> list[str]:
+    """Numbers (dates, figures, ids) in an answer that nothing the assistant was given holds: the conversation, its
+    system prompt, and the lookups' results."""
+    return [n for n in NUMBER.findall(text) if n not in sources]
+
+
+def checks(case: Case, text: str, finish_reason: str, sources: str = "") -> dict[str, bool]:
     """Each check that applies to the case: True where the answer passes."""
-    out = {"no loop": not loops(text), "within limit": finish_reason == "stop", "no leak": not leaks(case, text)}
+    out = {"no loop": not loops(text), "within limit": finish_reason == "stop", "no leak": not leaks(case, text),
+           "no invented number": not invented(text, sources)}
     if case.status:
         out["status"] = bool(re.search(STATUS[case.status], text, re.I))
     if case.not_found:
@@ -163,6 +172,7 @@ def ask(engine, sessions, case: Case, mode: str, params, seed: int) -> Answered:
     settings = Grounding(mode=mode)
     messages = [{"role": "system", "content": system_prompt()}]
     out = Answered(case)
+    sources = [system_prompt()]   # what the answers may take numbers from
     for n, turn in enumerate(case.turns):
         messages.append({"role": "user", "content": turn})
         rid = f"{case.name}-{mode}-{seed}-{n}-{time.monotonic_ns()}"
@@ -173,13 +183,14 @@ def ask(engine, sessions, case: Case, mode: str, params, seed: int) -> Answered:
             with sessions() as db:
                 grounded = ground(db, messages, settings)
         out.ground_s = time.perf_counter() - started
+        sources += [turn, *(lk.result_text for lk in (grounded.lookups if grounded else []))]
         relay = Relay(queue.Queue(), rid)
         done = converse(rt, job, [], replace(params, seed=seed + n), None, relay, lambda: False, grounded,
                         lead=mode == "lead")
         out.texts.append(relay.text)
         messages.append({"role": "assistant", "content": relay.text})
         out.finish_reason, out.tokens, out.ttft_s = done.finish_reason, done.completion_tokens, done.ttft or 0.0
-    out.result = checks(case, out.texts[-1], out.finish_reason)
+    out.result = checks(case, out.texts[-1], out.finish_reason, "\n".join(sources))
     return out
 
 
@@ -190,7 +201,8 @@ def run_all(engine, sessions, cases: list[Case], mode: str, params, seed: int, w
 
 def summary(answered: list[Answered]) -> dict[str, str]:
     """Per check: passed/applicable."""
-    names = ["status", "not found", "figures", "don't know", "no leak", "no loop", "within limit"]
+    names = ["status", "not found", "figures", "don't know", "no leak", "no invented number", "no loop",
+             "within limit"]
     out = {}
     for name in names:
         results = [a.result[name] for a in answered if name in a.result]
@@ -268,8 +280,8 @@ def main(argv: list[str] | None = None) -> None:
           f"temperature {args.temperature}, top_p {args.top_p}, max_new_tokens {args.max_new_tokens}, "
           f"DRY multiplier {args.dry_multiplier}, "
           f"database {sql.dialect.name}")
-    header = ["model", "weights", "mode", "set", "status", "not found", "figures", "don't know", "no leak", "no loop",
-              "within limit", "all", "tokens"]
+    header = ["model", "weights", "mode", "set", "status", "not found", "figures", "don't know", "no leak",
+              "no invented number", "no loop", "within limit", "all", "tokens"]
     print(" | ".join(header))
     for model in models:
         for weights in args.weights.split(","):

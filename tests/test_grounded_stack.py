@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import asdict
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from bench.answers import NOT_FOUND, STATUS, loops
+from bench.answers import NOT_FOUND, STATUS, invented, loops
 from models import Message, demo_orders, help_centre
 from models.db import make_engine, make_session_factory, upgrade
 from tests.clients import ChatClient
 from tests.stack import Stack, base_env
-from worker.grounding import MAX_ORDERS
+from webapp.config import DEFAULT_SYSTEM_PROMPT
+from worker.grounding import EXAMPLE_NUMBER, MAX_ORDERS
 from worker.local_redis import start_redis
 
 DEMO = {o.order_number: o for o in demo_orders.DEMO_ORDERS}
@@ -43,6 +46,13 @@ def ask(url: str, text: str, client: ChatClient | None = None, conversation_id: 
     done = result["done"]
     assert "".join(result["tokens"]) == done["text"]
     return done
+
+
+def looked_up(order: demo_orders.DemoOrder) -> str:
+    """What a lookup of a demo order returns, its dates as of today."""
+    today = datetime.now(UTC).date()
+    dates = [(today - timedelta(days=d)).isoformat() for d in (order.placed_days_ago, order.updated_days_ago)]
+    return json.dumps([asdict(order), dates])
 
 
 def others(text: str, asked: str, allowed: tuple[str, ...] = ()) -> list[str]:
@@ -158,3 +168,8 @@ def test_on_the_default_model_customers_read_statuses_not_found_and_policies_and
             allowed = ()
         assert not others(text, q, allowed), (q, text)
         assert not loops(text), (q, text)
+        # Every number comes from the question, the shop's data, the system prompt or the worker's example of an
+        # order number: none is the model's own.
+        sources = "\n".join([q, DEFAULT_SYSTEM_PROMPT, EXAMPLE_NUMBER, *(looked_up(DEMO[n]) for n in allowed),
+                             *(f"{a.summary} {a.body}" for a in help_centre.DEMO_ARTICLES)])
+        assert not invented(text, sources), (q, text)

@@ -186,3 +186,38 @@ def test_after_the_lead_the_models_first_line_ends_the_answer(sessions, tiny, mo
         assert relay.text == grounded.lead + " " and done.finish_reason == "stop"
     else:
         assert "\n" in relay.text and done.finish_reason == "length"
+
+
+@pytest.mark.parametrize("banned", [True, False])
+def test_after_the_lead_the_model_writes_no_number_of_its_own(sessions, tiny, monkeypatch, banned):
+    """A model that would write digits after the facts (forced here by a logit bias on every digit token): with the
+    ban it writes none, whatever the request's own bias; without it the answer gains numbers the lookups never
+    returned."""
+    import queue
+    import re
+    from types import SimpleNamespace
+
+    from worker import assistant
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    model, tok = tiny
+    digits = assistant.digit_tokens(tok)
+    assert {tok.convert_tokens_to_ids(d) for d in "0123456789"} <= digits
+    assert all(re.search(r"[0-9]", tok.decode([t])) for t in digits)
+    if not banned:
+        monkeypatch.setattr(assistant, "without_numbers", lambda params, tokenizer: params)
+    monkeypatch.setattr(assistant, "LEAD_STOPS", ())
+    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
+    try:
+        messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
+        with sessions() as db:
+            grounded = ground(db, messages, SETTINGS)
+        relay = assistant.Relay(queue.Queue(), "r1")
+        assistant.converse(SimpleNamespace(engine=engine), {"request_id": "r1", "messages": messages}, [],
+                           SamplingParams(temperature=0, max_new_tokens=8, logit_bias={t: 100.0 for t in digits}),
+                           None, relay, lambda: False, grounded, lead=True)
+    finally:
+        engine.shutdown()
+    assert relay.text.startswith(grounded.lead + " ")
+    written = relay.text[len(grounded.lead) + 1:]
+    assert written and bool(re.search(r"\d", written)) is not banned

@@ -9,6 +9,7 @@ import logging
 import queue
 from collections.abc import Callable
 from dataclasses import replace
+from functools import lru_cache
 from typing import Any
 
 from messaging.chat_tools import CALL_ROLE, LOOKUP_ORDER, RESULT_ROLE, stored_call
@@ -31,8 +32,27 @@ CALL_TOKENS = 128
 # After a lead, the model's line ends the answer: past it, a small model wanders (more dates, tool syntax copied
 # from its prompt; bench.answers).
 LEAD_STOPS = ("\n", "<tool")
+# After a lead, no token that writes a digit (OpenAI's -100, a ban): the lead states every figure the lookups
+# returned, and a number the model wrote after it would be its own invention (bench.answers: dates such as
+# "2026-20-24" after an order's status).
+NO_NUMBER_BIAS = -100.0
 # The tools this worker runs itself: name -> (session, arguments) -> result.
 EXECUTORS: dict[str, Callable[[Any, dict[str, Any]], dict[str, Any]]] = {LOOKUP_ORDER: order_tool.lookup_order}
+
+
+@lru_cache(maxsize=4)
+def digit_tokens(tokenizer) -> frozenset[int]:
+    """The vocabulary's tokens that write an ASCII digit (SmolLM2 and Qwen spell numbers a digit a token; others
+    have tokens of two or three digits, or digits inside words). Byte-level and SentencePiece vocabularies spell
+    ASCII digits as themselves; their stand-ins for other bytes (such as "²" for 0xB2) are no digits."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return frozenset(i for i, piece in enumerate(pieces) if piece and any("0" <= c <= "9" for c in piece))
+
+
+def without_numbers(params: SamplingParams, tokenizer) -> SamplingParams:
+    """`params` with every digit token banned, whatever the request's own logit bias says of them."""
+    bias = {token: NO_NUMBER_BIAS for token in digit_tokens(tokenizer)}
+    return replace(params, logit_bias={**(params.logit_bias or {}), **bias})
 
 
 def serves(job: dict) -> bool:
@@ -116,7 +136,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         if led:
             relay.show(lead_text + " ")
             ids, lead_text = ids + lead_ids, ""
-            params = replace(params, stop=(*params.stop, *LEAD_STOPS))
+            params = without_numbers(replace(params, stop=(*params.stop, *LEAD_STOPS)), rt.engine.tokenizer)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
         stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"),
                                   service_class=service_class(job))

@@ -25,6 +25,8 @@ FIND_BY_EMAIL, SEARCH_HELP = "find_orders_by_email", "search_help_centre"
 NOT_YOURS, NO_ARTICLE, TOO_MANY = "no such order for this email", "no article", "too many order numbers"
 INSTRUCTION = ("Answer from the lookups' results below and nothing else: give the status an order lookup returns; "
                "if a result says an order was not found, tell the customer; never give details of any other order.")
+# What an order number looks like, as the answers that ask for one show it.
+EXAMPLE_NUMBER = "NW-10042"
 STATUS_WORDS = {"processing": "is being processed and has not shipped yet", "shipped": "has shipped",
                 "out_for_delivery": "is out for delivery", "delivered": "was delivered",
                 "cancelled": "was cancelled", "returned": "was returned"}
@@ -95,7 +97,7 @@ def by_number(db: Session, number: str, owner: str | None) -> Lookup:
     if result.get("error") == NO_SUCH_ORDER:
         return Lookup(LOOKUP_ORDER, arguments, result,
                       f"I could not find an order {number}; please check the number in your order confirmation "
-                      f"e-mail (it looks like NW-10042).")
+                      f"e-mail (it looks like {EXAMPLE_NUMBER}).")
     if owner is not None:
         arguments = {**arguments, "email": owner}
         email = db.scalar(select(Order.customer_email).where(Order.order_number == number))
@@ -119,7 +121,7 @@ def by_email(db: Session, email: str) -> Lookup:
                       {"error": NO_SUCH_ORDER, "email": email,
                        "message": f"There is no order for {email}; ask for the order number."},
                       f"I could not find any order for {email}; please check the address, or give me the order "
-                      "number (it looks like NW-10042).")
+                      f"number (it looks like {EXAMPLE_NUMBER}).")
     found = [details(o) for o in orders]
     return Lookup(FIND_BY_EMAIL, arguments, {"email": email, "orders": found},
                   " ".join(order_sentence(r) for r in found))

@@ -20,7 +20,7 @@ from structured import Structure, StructureError, Tool, ToolError
 from worker import assistant
 from worker.ends import api_fields, combined, echoed_prompt, outcome
 from worker.engine import InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams
-from worker.prompts import completion_ids, fit_to_context
+from worker.prompts import TemplateRefused, completion_ids, fit_to_context
 from worker.publisher import Answer
 from worker.runtime import Unavailable, WorkerRuntime
 
@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 # While an answer runs, how often its cancel key is looked at.
 CANCEL_CHECK_S = 1.0
 # Errors the client caused: they say what to change, and sending the request again does not help.
-CLIENT_ERRORS = ("prompt_too_long", "context_length_exceeded", "invalid_request")
+CLIENT_ERRORS = ("prompt_too_long", "context_length_exceeded", "invalid_request", "invalid_messages")
 # How the engine and worker/prompts.py say that a prompt does not fit the model's context.
 TOO_LONG = ("too long", "context holds", "KV cache holds")
 
@@ -56,7 +56,7 @@ def refusal_code(exc: Exception, job: dict) -> str:
     """The error code of a request refused before it ran: an API client hears OpenAI's code for a prompt too long."""
     if any(words in str(exc) for words in TOO_LONG):
         return "context_length_exceeded" if job.get("source") == "api" else "prompt_too_long"
-    return "invalid_request"
+    return TemplateRefused.code if isinstance(exc, TemplateRefused) else "invalid_request"   # as the web says it
 
 
 class Job:

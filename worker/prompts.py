@@ -42,9 +42,15 @@ def prompt_form(tokenizer, max_model_len: int) -> tuple[PromptForm, str] | None:
                       tokenizer=digest(text)), text
 
 
-def template_refused(exc: TemplateError) -> InvalidRequestError:
+class TemplateRefused(InvalidRequestError):
+    """The chat template refused the messages: the client's error, with the code the web's own check gives it."""
+
+    code = "invalid_messages"
+
+
+def template_refused(exc: TemplateError) -> TemplateRefused:
     """The chat template's own complaint (`raise_exception`: roles out of order, say) as the client's error."""
-    return InvalidRequestError(template_refusal(str(exc.message or exc)))
+    return TemplateRefused(template_refusal(str(exc.message or exc)))
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:

@@ -13,12 +13,11 @@ import pytest
 
 from bench.answers import NOT_FOUND, STATUS, invented, loops
 from models import Message, demo_orders, help_centre
-from models.db import make_engine, make_session_factory, upgrade
+from models.db import make_engine, make_session_factory
 from tests.clients import ChatClient
-from tests.stack import Stack, base_env
+from tests.stack import private_stack
 from webapp.config import DEFAULT_SYSTEM_PROMPT
 from worker.grounding import EXAMPLE_NUMBER, MAX_ORDERS
-from worker.local_redis import start_redis
 
 DEMO = {o.order_number: o for o in demo_orders.DEMO_ORDERS}
 # Every customer's name and e-mail: no answer may hold one the question did not give.
@@ -111,23 +110,11 @@ def test_a_prompt_injection_gets_no_order_data(stack, db):
 def real_stack(tmp_path_factory):
     """The stack on the real default model (greedy, short answers): one worker, one web process."""
     workdir = tmp_path_factory.mktemp("real-stack")
-    redis_proc, redis_url = start_redis(workdir / "redis")
-    url = f"sqlite:///{workdir / 'chat.db'}"
-    upgrade(url)
-    sql = make_engine(url)
-    seeded(make_session_factory(sql))
-    sql.dispose()
-    env = base_env(redis_url, url, workdir, workdir) | {"MODEL": "", "MAX_NEW_TOKENS": "40", "MAX_NUM_SEQS": "16",
-                                                        "KV_CACHE_GIB": "0.25"}
-    s = Stack(workdir, env)
-    try:
-        s.start_worker()
-        s.start_web()
+    with private_stack(workdir, workdir, MODEL="", MAX_NEW_TOKENS="40", MAX_NUM_SEQS="16", KV_CACHE_GIB="0.25") as s:
+        sql = make_engine(s.env["DATABASE_URL"])
+        seeded(make_session_factory(sql))
+        sql.dispose()
         yield s
-    finally:
-        s.stop()
-        redis_proc.terminate()
-        redis_proc.wait(10)
 
 
 ORDER_QUESTIONS = [

@@ -9,8 +9,8 @@ request as soon as one ends; the end-of-text tokens are biased away, so no answe
 `--chat-interval` seconds apart, each a customer on its own Socket.IO connection asking once; their TTFT (send to first text) and the
 bulk tokens/s while they are answered are measured. Bulk tokens/s counts the tokens streamed to the bulk clients
 in a window (their text re-tokenized; the count is checked against the engine's usage figures of the answers that
-ended), divided by its length. Before both halves the chats are sent one at a time to the idle stack: their
-TTFT alone.
+ended, and the streams run on after the chats until as many answers have ended as there are streams), divided by its
+length. Before both halves the chats are sent one at a time to the idle stack: their TTFT alone.
 """
 
 from __future__ import annotations
@@ -104,6 +104,15 @@ class BulkStreams:
             usage = sum(u for _, u, _, _ in self.done)
             return sum(c for _, _, _, c in self.done) / usage - 1 if usage else None
 
+    def wait_ended(self, n: int, timeout: float) -> None:
+        """Until `n` answers have ended (or `timeout` s): the finish reasons and the token-count check need them."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if len(self.done) >= n:
+                    return
+            time.sleep(0.1)
+
     def reasons(self) -> dict[str, int]:
         with self._lock:
             return dict(Counter(r for _, _, r, _ in self.done))
@@ -190,6 +199,8 @@ def run_half(stack: Stack, base: str, label: str, args, questions: list[str], sy
         time.sleep(args.bulk_window)
         alone_end = time.time()
         ttft, chat_tokens, first, last = run_chats(base, args.chats, args.chat_interval, messages, args.chat_tokens)
+        # On a loaded machine no bulk answer may have ended yet; the windows above are measured already.
+        streams.wait_ended(args.bulk_streams, timeout=300)
     finally:
         streams.close()
     half = Half(label, ttft, chat_tokens, streams.tokens_per_s(alone_start, alone_end),

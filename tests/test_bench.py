@@ -352,8 +352,9 @@ def test_stack_bench_mixed_runs_chats_beside_bulk_streams_with_classes_on_and_of
     for half in figures["halves"]:
         assert half["answered"] == half["chats"] == 3 and half["errors"] == {}
         assert half["bulk_alone_tok_s"] > 0 and half["chat_ttft_p50_s"] > 0
-        # no bulk answer ends before its cap: the end-of-text tokens are biased away
-        assert set(half["bulk_finish_reasons"]) == {"length"}
+        # no bulk answer ends before its cap: the end-of-text tokens are biased away; the streams run on until
+        # as many answers as streams have ended, however slow the machine
+        assert set(half["bulk_finish_reasons"]) == {"length"} and half["bulk_finish_reasons"]["length"] >= 6
     assert figures["alone_chat_ttft_p50_s"] > 0
     assert json.loads((tmp_path / "mixed.json").read_text())["halves"][0]["chats"] == 3
 

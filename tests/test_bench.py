@@ -306,6 +306,18 @@ def test_weights_bench_reports_each_precisions_agreement_on_a_tiny_model(tiny_di
     assert json.loads((tmp_path / "weights.json").read_text()) == rows
 
 
+def test_host_time_splits_decode_steps_of_every_row_into_their_parts(capsys):
+    from bench import host_time
+
+    result = host_time.main(["--rows", "6", "--steps", "4", "--warmup", "1", "--prompt", "5", "--stop", "ORDER-END"])
+    ms = result["ms_per_step"]
+    assert result["rows"] == 6 and result["stop"] == ["ORDER-END"]
+    assert all(ms[part] > 0 for part in host_time.PARTS)
+    assert sum(ms[part] for part in host_time.PARTS) <= ms["step"]
+    assert result["us_per_row"]["append"] == pytest.approx(1e3 * ms["append"] / 6)
+    assert "append" in capsys.readouterr().out
+
+
 def test_step_trace_times_every_step_by_kind_and_profiles_a_mixed_one(tiny_config, capsys):
     from bench import step_trace
 

@@ -763,6 +763,21 @@ def test_held_back_text_is_released_when_it_is_not_a_stop(tokenizer, mode):
     assert detok.push(tokenizer.encode(" more", add_special_tokens=False)) == ""
 
 
+@pytest.mark.parametrize("mode", ["stream", "window"])
+@pytest.mark.parametrize("stop", [(), ("ORDER-END", "\n\n"), ("\n", "<tool", "😀x")])
+def test_pushing_one_token_shows_what_pushing_a_list_of_one_shows(tokenizer, mode, stop):
+    """The engine pushes each row's token with push_token, the common case written out; its deltas, held-back text
+    and stop are push's."""
+    text = "Grüße 👋 ORDER-EN, Your ORDER-END\nnext 😀 <to <tool\n\nend 😀x and more"
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    one, listed = detokenizer(tokenizer, mode, stop), detokenizer(tokenizer, mode, stop)
+    for i, token in enumerate(ids):
+        one.armed = listed.armed = i > 3   # stop strings looked for after min_tokens, as the engine does
+        assert one.push_token(token) == listed.push([token]), f"token {i}"
+        assert (one.text, one.emitted, one.stopped) == (listed.text, listed.emitted, listed.stopped)
+    assert one.flush() == listed.flush()
+    assert one.stopped == bool(stop)
+
 # ---- threaded API ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
@@ -941,6 +956,7 @@ def test_a_failure_in_one_request_fails_only_that_request(tiny, ref_model, where
         def push_failing(ids):
             raise UnicodeError("forced failure")
         monkeypatch.setattr(bad.detokenizer, "push", push_failing)
+        monkeypatch.setattr(bad.detokenizer, "push_token", push_failing)
 
     results, _ = run_all(engine)
     assert results["bad"].finish_reason == "error" and "forced failure" in results["bad"].error

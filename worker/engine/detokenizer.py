@@ -42,6 +42,9 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        # Every proper prefix of a stop string: an unshown tail that is one of them is held back.
+        self.stop_prefixes = {s[:n] for s in stop for n in range(1, len(s))}
+        self.longest_prefix = max((len(s) - 1 for s in stop), default=0)
         self.backend, self.stream = _stream_for(tokenizer, skip_special_tokens)
         self.fed = 0   # tokens the stream has seen
 
@@ -72,6 +75,24 @@ class IncrementalDetokenizer:
         self._advance(final=False)
         return self._release(final=False)
 
+    def push_token(self, token: int) -> str:
+        """push([token]), with the streaming decoder's common case written out: it runs for every row of every
+        decode step."""
+        stream = self.stream
+        if stream is None or self.stopped or self.fed != len(self.ids):
+            return self.push([token])
+        self.ids.append(token)
+        self.fed += 1
+        piece = stream.step(self.backend, token)
+        if piece:
+            self.text += piece
+            self.prefix_offset, self.read_offset = self.read_offset, self.fed
+        if self.stop and self.armed:
+            return self._release(final=False)
+        delta = self.text[self.emitted:]
+        self.emitted = len(self.text)
+        return delta
+
     def flush(self) -> str:
         """The request is over: release everything held back."""
         if not self.stopped:
@@ -94,15 +115,18 @@ class IncrementalDetokenizer:
 
     def _find_stop(self) -> int | None:
         # Shown text never ends in the start of a stop string, so a match begins in the unshown part.
-        hits = [i for i in (self.text.find(s, self.emitted) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        text, start, first = self.text, self.emitted, -1
+        for s in self.stop:
+            i = text.find(s, start)
+            if i >= 0 and (first < 0 or i < first):
+                first = i
+        return first if first >= 0 else None
 
     def _held_back(self) -> int:
         """Length of the longest unshown tail that a stop string could begin with."""
-        pending = len(self.text) - self.emitted
-        for n in range(min(pending, max(len(s) for s in self.stop) - 1), 0, -1):
-            tail = self.text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
+        text, prefixes = self.text, self.stop_prefixes
+        for n in range(min(len(text) - self.emitted, self.longest_prefix), 0, -1):
+            if text[-n:] in prefixes:
                 return n
         return 0
 

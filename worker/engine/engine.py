@@ -482,9 +482,24 @@ class LLMEngine:
     def _append_tokens(self, seqs: list[Sequence], tokens: list[int],
                        entries: list[TokenLogprob | None] | None = None) -> list[Event]:
         now, events = time.time(), []
+        eos_ids, max_len = self.eos_ids, self.max_model_len
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            entry = entries[i] if entries else None
+            detokenizer = seq.detokenizer
             try:
-                events += self._append_token(seq, token, now, entries[i] if entries else None)
+                if entry is not None or seq.matcher is not None or seq.first_token_time is None \
+                        or not detokenizer.armed:
+                    events += self._append_token(seq, token, now, entry)
+                    continue
+                # Every row of every decode step comes here: _append_token's common case, written out.
+                ids = seq.token_ids
+                ids.append(token)
+                events.append(TokenDelta(seq.request_id, detokenizer.push_token(token), [token], index=seq.index))
+                params = seq.params
+                if detokenizer.stopped or (token in eos_ids and not params.ignore_eos):
+                    events += self._finish(seq, "stop")
+                elif len(ids) - len(seq.prompt_token_ids) >= params.max_new_tokens or len(ids) >= max_len:
+                    events += self._finish(seq, "length")
             except Exception as exc:   # e.g. a stop-string or detokenizer failure: this request only
                 events += self._fail(seq, exc)
         return events
@@ -507,7 +522,7 @@ class LLMEngine:
             # Stop strings count from here on (not in the text shown before): once the answer has min_tokens and
             # its grammar is complete, so a stop string cannot cut a structured value short.
             seq.detokenizer.armed = True
-        text = seq.detokenizer.push([token])
+        text = seq.detokenizer.push_token(token)
         events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]
         if seq.detokenizer.stopped:

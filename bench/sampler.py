@@ -17,7 +17,8 @@ import torch
 from bench.engine import DEFAULT_WORKLOAD, load_workload
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.dry import BreakerTokens
-from worker.engine.sampler import Sampler
+from worker.engine.sampler import Bias, BiasCache, RowParams, Sampler
+from worker.engine.transfer import upload
 from worker.model_loader import load_model
 
 SAMPLED = dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
@@ -184,6 +185,49 @@ def engine_table(model_source, tokenizer, slots: int, count: int, new_tokens: in
     return {"slots": slots, "requests": len(requests), "new_tokens": new_tokens, "methods": runs}
 
 
+def previous_bias(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> Bias | None:
+    """The batch's logit_bias as the sampler built it before each request's tensors were kept: one (row, id, value)
+    tuple per entry of every row, at every build."""
+    entries = [(row, token, float(value)) for row, p in enumerate(params) if p.logit_bias
+               for token, value in p.logit_bias.items() if 0 <= token < vocab]
+    if not entries:
+        return None
+    rows, ids, values = zip(*entries)
+    return Bias(upload(list(rows), torch.int64, device), upload(list(ids), torch.int64, device),
+                upload(list(values), torch.float32, device))
+
+
+def rebuild_table(rows: int, bias_sizes: list[int], vocab: int, repeats: int) -> list[dict]:
+    """The batch's logit_bias tensors rebuilt as one request leaves and another joins, every row with a bias of
+    each size: each request's tensors kept from the last build (the sampler's way), made again from every row's
+    dict, and the previous build's way; and the whole rebuild of the per-row tensors, the bias kept."""
+    device = torch.device("cpu")
+    out = []
+    for size in bias_sizes:
+        bias = {token: -100.0 for token in range(vocab - size, vocab)}
+        params = [SamplingParams(temperature=0.7, top_p=0.9, logit_bias=dict(bias) if bias else None)
+                  for _ in range(rows + 1)]
+        seeds = list(range(rows))
+        kept = BiasCache()
+        ways = {"kept_ms": kept.build, "from_dicts_ms": lambda b, v, d: BiasCache().build(b, v, d),
+                "previous_ms": previous_bias,
+                "whole_rebuild_ms": lambda b, v, d: RowParams.build(b, seeds, v, d, biases=kept)}
+        figures = {"rows": rows, "bias_entries": size}
+        for name, build in ways.items():
+            build(params[:rows], vocab, device)
+            times = []
+            for k in range(repeats):
+                batch = params[1:] if k % 2 == 0 else params[:rows]
+                start = time.perf_counter()
+                built = build(batch, vocab, device)
+                times.append(time.perf_counter() - start)
+            if name != "whole_rebuild_ms":
+                assert (built is None) == (size == 0) and (built is None or len(built.ids) == rows * size)
+            figures[name] = 1e3 * statistics.median(times)
+        out.append(figures)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m bench.sampler", description=__doc__)
     parser.add_argument("--model", default=os.environ.get("MODEL") or None)
@@ -193,8 +237,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--engine-slots", type=int, default=16, help="0 skips the engine runs")
     parser.add_argument("--engine-requests", type=int, default=16)
     parser.add_argument("--engine-new-tokens", type=int, default=48)
+    parser.add_argument("--rebuild-rows", type=int, default=256,
+                        help="rows for the per-row tensors' rebuild as requests change (0 skips)")
+    parser.add_argument("--rebuild-biases", default="0,10,1110",
+                        help="logit_bias entries a row (1,110: the digit tokens of a vocabulary of 1-3 digit groups)")
+    parser.add_argument("--rebuild-vocab", type=int, default=128256)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    result: dict = {}
+    if args.rebuild_rows:
+        result["rebuild"] = rebuild_table(args.rebuild_rows, [int(b) for b in args.rebuild_biases.split(",") if b],
+                                          args.rebuild_vocab, args.repeats)
+        print(f"the batch's logit_bias rebuilt as one request of {args.rebuild_rows} changes (vocab {args.rebuild_vocab}), "
+              "ms: each request's tensors kept / made from the dicts / the previous build; the whole per-row rebuild")
+        for r in result["rebuild"]:
+            ratio = f" ({r['previous_ms'] / r['kept_ms']:.0f}x kept)" if r["bias_entries"] else ""
+            print(f"  {r['bias_entries']:>5} entries a row: {r['kept_ms']:8.2f} / {r['from_dicts_ms']:8.2f} / "
+                  f"{r['previous_ms']:8.2f}{ratio}; whole rebuild {r['whole_rebuild_ms']:.2f}")
+    if not args.rows and not args.engine_slots:
+        if args.json:
+            args.json.write_text(json.dumps(result, indent=2))
+        return result
 
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
     model, tokenizer = load_model(args.model)
@@ -212,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
         if r["kind"] == "chat_dry":
             chat = next(c["new_ms"] for c in rows if c["rows"] == r["rows"] and c["kind"] == "chat")
             print(f"DRY at {r['rows']} rows: {r['new_ms'] / chat:.2f}x the chat's sampling without it")
-    result = {"info": info, "sampler": rows}
+    result.update(info=info, sampler=rows)
     if args.engine_slots:
         engine = engine_table(args.model, tokenizer, args.engine_slots, args.engine_requests,
                               args.engine_new_tokens, args.workload)

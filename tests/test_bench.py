@@ -306,6 +306,17 @@ def test_weights_bench_reports_each_precisions_agreement_on_a_tiny_model(tiny_di
     assert json.loads((tmp_path / "weights.json").read_text()) == rows
 
 
+def test_sampler_bench_times_the_bias_rebuild_each_way(capsys):
+    from bench import sampler as sampler_bench
+
+    result = sampler_bench.main(["--rows", "", "--engine-slots", "0", "--rebuild-rows", "8", "--rebuild-biases",
+                                 "0,3", "--rebuild-vocab", "64", "--repeats", "3"])
+    assert [(r["rows"], r["bias_entries"]) for r in result["rebuild"]] == [(8, 0), (8, 3)]
+    assert all(r[k] >= 0 for r in result["rebuild"] for k in ("kept_ms", "from_dicts_ms", "previous_ms",
+                                                                "whole_rebuild_ms"))
+    assert "3 entries a row" in capsys.readouterr().out
+
+
 def test_host_time_splits_decode_steps_of_every_row_into_their_parts(capsys):
     from bench import host_time
 

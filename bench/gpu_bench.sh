@@ -9,7 +9,7 @@
 #   bash bench/gpu_bench.sh run OUT NAME BENCH-ARGS...   (one run of `python -m bench`, kept as NAME)
 #
 # PART: defaults | baseline | attention | profile | first | trace | check | steps | sampler | overlap | mixed | memory | w256 |
-#       nano | budget | backend | all
+#       nano | budget | backend | host | all
 # Each part fits a 10-minute call; logs and JSON go to OUT (default: gpu-results). Every run of a part is
 # made even when an earlier one fails; the script then exits 1 and names the failed runs (failed.txt).
 # RUN_TIMEOUT=S stops any one run after S seconds (recorded as failed), so a short lease still gets the
@@ -193,7 +193,25 @@ backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every
     done ;;
 esac
 case $part in
-run|attention|defaults|baseline|profile|first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|all) ;;
+host|all)    # the host's share of a decode step by part (schedule, runner, draw, append) on a one-layer model, at 16,
+             # 64 and 256 rows, greedy and the chat's sampling (top-p, DRY) with two stop strings like its lead's
+    for rows in 16 64 256; do
+        for kind in greedy chat; do
+            name="host-$rows-$kind"
+            args=(--rows "$rows")
+            [ "$kind" = chat ] && args+=(--temperature 0.7 --top-p 0.9 --dry-multiplier 0.8 --stop '<tool' --stop ORDER-END)
+            echo "== $name: python -m bench.host_time ${args[*]}" | tee -a "$out/commands.txt"
+            if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.host_time --model "$kit/model" --device cuda "${args[@]}" \
+                    --json "$out/$name.json" > "$out/$name.log" 2>&1; then
+                echo "!! $name failed" | tee -a "$out/failed.txt"
+                failed+=("$name")
+            fi
+            tail -8 "$out/$name.log"
+        done
+    done ;;
+esac
+case $part in
+run|attention|defaults|baseline|profile|first|trace|check|steps|sampler|overlap|mixed|memory|w256|nano|budget|backend|host|all) ;;
 *) echo "unknown part '$part'" >&2; exit 2 ;;
 esac
 

@@ -1,6 +1,7 @@
 """The host's share of a decode step, by part: scheduling, the runner (inputs and forward), drawing, appending tokens.
 
-    python -m bench.host_time [--rows 256] [--layers 1] [--steps 40] [--stop STR] [--static] [--device cuda]
+    python -m bench.host_time [--rows 256] [--layers 1] [--steps 40] [--stop STR] [--temperature T] [--top-p P]
+                              [--dry-multiplier M] [--static] [--device cuda] [--model TOKENIZER]
 
 A model of the default model's shape cut to `--layers` layers (random weights), so the forward pass is small and
 what is left is the engine's own work per step: `--rows` requests decode side by side (EOS ignored), and after
@@ -86,13 +87,16 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--prompt", type=int, default=24, help="prompt tokens a request")
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--dry-multiplier", type=float, default=0.0, help="DRY (the chat's: 0.8)")
     parser.add_argument("--stop", action="append", default=[], help="a stop string every request has (repeatable)")
     parser.add_argument("--static", action="store_true", help="static decode buffers on CPU (enforce_eager=False)")
     parser.add_argument("--device", default=None)
+    parser.add_argument("--model", default=None, help="tokenizer (default: the default model's)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
-    model, tok = load_random_model(str(cut_config(args.layers)), device=args.device)
+    model, tok = load_random_model(str(cut_config(args.layers)), device=args.device, tokenizer_model=args.model)
     device = next(model.parameters()).device
     total_tokens = args.prompt + args.warmup + args.steps + APPEND_REPEATS + 8
     config = EngineConfig(max_num_seqs=args.rows, max_num_batched_tokens=max(args.rows * args.prompt, 512),
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
     clock.wrap(engine, "_append_tokens", "append")
     words = tok.encode(" the order has shipped and the parcel is on its way to you", add_special_tokens=False)
     params = SamplingParams(max_new_tokens=args.warmup + args.steps + APPEND_REPEATS + 4, temperature=args.temperature,
+                            top_p=args.top_p, dry_multiplier=args.dry_multiplier,
                             ignore_eos=True, stop=args.stop)
     for i in range(args.rows):
         prompt = [(words[(i + j) % len(words)]) for j in range(args.prompt)]

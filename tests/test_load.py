@@ -255,13 +255,20 @@ def read_until(stream, marker: str) -> str:
 
 def test_ctrl_c_prints_a_partial_report(stack, tmp_path):
     out = tmp_path / "partial"
-    proc = subprocess.Popen(load_cli("--url", stack.web_urls[1], "--duration", "120", "--customers", "2",
-                                     "--timeout", "20", "--out", str(out)),
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # -X faulthandler: a run that does not end after Ctrl-C is sent SIGABRT, which prints every thread's stack
+    cli = load_cli("--url", stack.web_urls[1], "--duration", "120", "--customers", "2", "--timeout", "20",
+                   "--out", str(out))
+    proc = subprocess.Popen([cli[0], "-X", "faulthandler", *cli[1:]], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     try:
         assert "ok=1" in read_until(proc.stderr, "ok=1"), "a first answer completes"
         proc.send_signal(signal.SIGINT)
-        stdout, _ = proc.communicate(timeout=60)
+        try:
+            stdout, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            stdout, stderr = proc.communicate(timeout=30)
+            pytest.fail(f"the run did not end within 60 s of Ctrl-C; its stdout:\n{stdout}\nits threads:\n{stderr}")
     finally:
         proc.kill()
     assert proc.returncode == 130

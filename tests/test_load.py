@@ -258,8 +258,11 @@ def test_ctrl_c_prints_a_partial_report(stack, tmp_path):
     # -X faulthandler: a run that does not end after Ctrl-C is sent SIGABRT, which prints every thread's stack
     cli = load_cli("--url", stack.web_urls[1], "--duration", "120", "--customers", "2", "--timeout", "20",
                    "--out", str(out))
+    # Ctrl-C's SIGINT at its default, as at a terminal: a suite started in the background of a shell without job
+    # control (`make test &` in a script) runs with SIGINT ignored, and its children inherit that.
     proc = subprocess.Popen([cli[0], "-X", "faulthandler", *cli[1:]], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert "ok=1" in read_until(proc.stderr, "ok=1"), "a first answer completes"
         proc.send_signal(signal.SIGINT)

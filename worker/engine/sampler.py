@@ -62,7 +62,7 @@ def mix32(x):
 @functools.lru_cache(maxsize=4096)
 def seed_keys(seed: int) -> tuple[int, int]:
     """Two 32-bit keys from a 63-bit seed, on the host; kept for the last 4,096 seeds, as the batch's per-row tensors
-    are rebuilt whenever a request joins or leaves (this hash was half of a 256-row rebuild)."""
+    are rebuilt whenever a request joins or leaves."""
     lo, hi = seed & _M32, (seed >> 32) & _M32
     a = mix32(lo ^ mix32(hi ^ 0x9E3779B9))
     return a, mix32(a ^ 0x85EBCA6B)
@@ -196,7 +196,7 @@ class RowParams:
             has_top_k=upload(has_k, torch.bool, device).unsqueeze(1),
             key_a=upload([a for a, _ in keys], torch.int64, device),
             key_b=upload([b for _, b in keys], torch.int64, device),
-            bias=_bias(params, vocab, device, biases),
+            bias=(biases or BiasCache()).build(params, vocab, device),
             dry=DryRows.build(params, vocab, device, breakers),
             penalised=[p != 1.0 for p in penalty],
             counted=counted,
@@ -226,9 +226,8 @@ class BiasCache:
     """Each request's logit_bias as device tensors, made once per request; a batch's Bias is their concatenation.
 
     The batch's tensors are rebuilt whenever a request joins or leaves it, and a bias can be long: the chat's ban
-    on digits after a grounded lead is one entry per digit token, about 1,100 in Llama 3's vocabulary. Made from
-    the dicts at every rebuild, 256 such rows took half a second on a CPU. Entries are kept for the requests of the
-    last batch only (their params are held, so an id names the same object)."""
+    on digits after a grounded lead is one entry per digit token, about 1,100 in a vocabulary of 1-3 digit groups.
+    Entries are kept for the requests of the last batch only (their params are held, so an id names one object)."""
 
     def __init__(self) -> None:
         self._rows: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
@@ -241,14 +240,14 @@ class BiasCache:
         kept: dict[int, tuple[SamplingParams, torch.Tensor, torch.Tensor]] = {}
         parts, counts = [], []
         for p in params:
-            entry = self._rows.get(id(p)) or kept.get(id(p)) if p.logit_bias else None
-            if p.logit_bias and entry is None:
+            if not p.logit_bias:
+                counts.append(0)
+                continue
+            entry = self._rows.get(id(p)) or kept.get(id(p))
+            if entry is None:
                 items = [(token, float(value)) for token, value in p.logit_bias.items() if 0 <= token < vocab]
                 entry = (p, upload([t for t, _ in items], torch.int64, device),
                          upload([v for _, v in items], torch.float32, device))
-            if entry is None:
-                counts.append(0)
-                continue
             kept[id(p)] = entry
             parts.append(entry)
             counts.append(len(entry[1]))
@@ -259,11 +258,6 @@ class BiasCache:
         rows = torch.repeat_interleave(torch.arange(len(params), device=device), upload(counts, torch.int64, device),
                                        output_size=total)
         return Bias(rows, torch.cat([ids for _, ids, _ in parts]), torch.cat([values for _, _, values in parts]))
-
-
-def _bias(params: Sequence[SamplingParams], vocab: int, device: torch.device,
-          cache: BiasCache | None = None) -> Bias | None:
-    return (cache or BiasCache()).build(params, vocab, device)
 
 
 @dataclass

@@ -23,15 +23,11 @@ from pathlib import Path
 import torch
 
 from bench.random_model import CONFIG_DIR, load_random_model
+from bench.step_trace import sync_device
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 
 PARTS = ("schedule", "runner", "draw", "append")
 APPEND_REPEATS = 100   # calls of the append part alone, on warm caches, after the steps
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class PartClock:
@@ -50,7 +46,7 @@ class PartClock:
                 return inner(*args, **kwargs)
             start = time.perf_counter()
             out = inner(*args, **kwargs)
-            _sync(self.device)
+            sync_device(self.device)
             self.spent[name] += time.perf_counter() - start
             return out
 
@@ -124,7 +120,7 @@ def main(argv: list[str] | None = None) -> dict:
     for _ in range(args.steps):
         start = time.perf_counter()
         engine.step()
-        _sync(device)
+        sync_device(device)
         walls.append(time.perf_counter() - start)
     clock.on = False
     assert engine.last_batch[0] == args.rows, f"the measured steps decoded {engine.last_batch[0]} rows"

@@ -22,7 +22,8 @@ from bench.engine import ENGINE_BLOCK_SIZE, NANO_LENGTHS, NANO_TEMPERATURE, nano
 from bench.random_model import load_random_model
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for the device's queued work, so a clock read after it counts that work (nothing to wait for on CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     while engine.has_unfinished() and time.perf_counter() - start < args.max_seconds:
         mixed_seen = sum(1 for s in steps if s["prefill"])
         profiling = shape.get("prefill") and 2 <= mixed_seen < 2 + args.profile
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         if profiling:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -85,10 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             with torch.profiler.profile(activities=activities) as prof:
                 engine.step()
-                _sync(device)
+                sync_device(device)
         else:
             engine.step()
-            _sync(device)
+            sync_device(device)
         wall = (time.perf_counter() - t0) * 1e3
         steps.append({"decodes": shape.get("decodes", 0), "prefill": shape.get("prefill", 0), "wall_ms": wall,
                       "profiled": bool(profiling)})

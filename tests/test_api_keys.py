@@ -250,6 +250,21 @@ def test_a_revocation_reaches_a_process_within_its_refresh(make_app, sessions):
     assert client.get("/v1/models", headers=bearer(key)).status_code == 401
 
 
+def test_a_new_key_works_at_once_without_waiting_for_the_refresh(make_app, sessions):
+    app = make_app()
+    ring = app.extensions["keyring"]
+    client = app.test_client()
+    with sessions() as db:
+        _, first = keys.create(db, "first")
+    assert client.get("/v1/models", headers=bearer(first)).status_code == 200
+    ring.refresh_s = 3600   # the copy now holds until refreshed
+    with sessions() as db:
+        _, second = keys.create(db, "second", rate_limit="5/minute")
+    assert client.get("/v1/models", headers=bearer(second)).status_code == 200, "looked up, not refused"
+    assert ring.snapshot().by_hash[digest(second)].rule is not None, "the copy was re-read with the key's settings"
+    assert_refused(client.get("/v1/models", headers=bearer("sb-" + "y" * 40)), "Incorrect API key")
+
+
 # ---- the operators' page ---------------------------------------------------------------------
 
 
@@ -473,8 +488,11 @@ def test_the_keys_page_in_a_browser(browser, stack, keyed):
         page.fill("#key-rate-limit", "30/minute")
         page.click("#create-key button[type=submit]")
         key = page.text_content("#new-key-value")
-        assert key.startswith("sb-") and page.is_visible("#copy-key"), "shown once, with a copy button"
-        assert requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10).ok
+        assert key.startswith("sb-"), "shown once"
+        # keys.js (deferred) shows the copy button; the new page's text is there before it runs.
+        page.wait_for_selector("#copy-key", state="visible", timeout=10_000)
+        models = requests.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        assert models.ok, "a key works as soon as it is shown: " + models.text
         page.goto(url + "/dashboard/keys")
         assert key not in page.content()
         page.click('tr[data-key="test-browser"] .revoke button')

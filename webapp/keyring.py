@@ -3,7 +3,7 @@ seconds, and checks every /v1 request against it before anything else is done (n
 a refused request).
 
 A revoked key is refused by every web process at most REFRESH_S seconds (plus one reload's query) after the
-revocation is committed. The raw key is hashed on arrival and goes nowhere else: not into logs, Redis or SQL.
+revocation is committed; a new key is accepted at once (a key the copy lacks is looked up in the table). The raw key is hashed on arrival and goes nowhere else: not into logs, Redis or SQL.
 """
 
 from __future__ import annotations
@@ -93,6 +93,23 @@ class KeyRing:
                     self._snapshot = Snapshot(snap.by_hash, snap.total, time.monotonic())
             return self._snapshot
 
+    def find(self, key_hash: str) -> KeyInfo | None:
+        """The key with this digest. A digest the copy lacks is looked up in the table, so a key works as soon as
+        it is created (its copy is re-read then); an unknown key costs one indexed query."""
+        key = self.snapshot().by_hash.get(key_hash)
+        if key is not None:
+            return key
+        try:
+            with self.sessions() as db:
+                if db.scalar(select(ApiKey.id).where(ApiKey.key_hash == key_hash)) is None:
+                    return None
+            with self._lock:
+                self._snapshot = self._load()
+        except SQLAlchemyError as exc:
+            log.warning("could not look up an API key missing from the copy: %s", exc)
+            return None
+        return self._snapshot.by_hash.get(key_hash)
+
     def touch(self, key: KeyInfo) -> None:
         """Note that `key` was used, at most once per TOUCH_S in this process; failures cost the note only."""
         now = time.monotonic()
@@ -144,7 +161,7 @@ def check_request():
         return refuse("You didn't provide an API key. Send it in the Authorization header "
                       "(Authorization: Bearer YOUR_KEY; the openai client: api_key=...). Ask an operator of this "
                       "server for a key.")
-    key = snap.by_hash.get(hash_key(token))
+    key = ring.find(hash_key(token))
     if key is None:
         return refuse(f"Incorrect API key provided: {mask(token)}. Check the key, or ask an operator of this "
                       "server for one.")

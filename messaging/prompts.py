@@ -69,6 +69,15 @@ def template_refusal(complaint: str) -> str:
             "(the order of their roles, their content) and send them again.")
 
 
+def template_failure(exc: Exception) -> str:
+    """What a client is told when the model's chat template fails on its messages with an error of its own (a
+    TypeError from adding text to a list, say) rather than refusing them."""
+    detail = " ".join(str(exc).split())[:200]
+    return (f"The model's chat template failed on these messages ({type(exc).__name__}: {detail}). Check that each "
+            "message has the shape this model takes (a role, and text content) and send them again; if they do, tell "
+            "the server's operator that its chat template fails on them.")
+
+
 def shaped(messages: list[dict], tools: list[dict] | None, tool_format: bool) -> tuple[list[dict], dict[str, Any]]:
     """The chat and the template's extra arguments (`tools`, when its format has them) for `messages` offering
     `tools`."""

@@ -5,19 +5,22 @@ that leaves no room for an answer is OpenAI's context_length_exceeded, and one j
 from __future__ import annotations
 
 import json
+import time
 import uuid
 
 import pytest
 import redis
 import requests
 
-from messaging.contract import MODELS_KEY, QUEUES
+from messaging.contract import GENERATE_TASK, MODELS_KEY, QUEUE, QUEUES, events_channel, final_key
+from messaging.generation import Generation
 from messaging.prompt_form import FORM_FIELD, PromptForm, form_key, tokenizer_key
 from models import RequestRecord
+from messaging.queue import make_celery
 from models.db import make_engine, make_session_factory
 from structured import Tool
-from tests.stack import private_stack
-from tests.test_prompts import ALTERNATE, LOOKUP, ROLE_CHECK
+from tests.stack import private_stack, wait_for
+from tests.test_prompts import ALTERNATE, CRASH, LOOKUP, ROLE_CHECK
 from tests.tiny_model import make_tiny_model_dir
 from worker.model_loader import load_tokenizer
 from worker.prompts import render, text_ids
@@ -29,9 +32,10 @@ WRONG_ORDER = [SYSTEM, {"role": "user", "content": "Where is order 1234?"}, {"ro
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, tokenizer):
-    """The tiny model with a template that raises when roles do not alternate, as Mistral's and Llama 2's do."""
+    """The tiny model with a template that raises when roles do not alternate, as Mistral's and Llama 2's do, and
+    fails (a TypeError) on a message that says "crash"."""
     own = tokenizer.chat_template
-    tokenizer.chat_template = ROLE_CHECK + own
+    tokenizer.chat_template = ROLE_CHECK + CRASH + own
     try:
         return make_tiny_model_dir(tmp_path_factory.mktemp("role-check"), tokenizer)
     finally:
@@ -156,3 +160,33 @@ def test_without_a_form_it_can_load_the_web_leaves_the_check_to_the_worker_whose
     finally:
         r.delete(tokenizer)   # the worker puts it back at its next heartbeat
         own_stack.kill_web(url)
+
+
+def test_a_template_that_fails_on_the_messages_is_a_400_saying_so(own_stack, records):
+    response, request_id = post(own_stack.web_urls[0], "/v1/chat/completions",
+                                {"messages": [{"role": "user", "content": "crash"}], "max_tokens": 4})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["code"] == "invalid_messages" and "chat template failed" in error["message"], error
+    assert [rec.finish_reason for rec in records(request_id)] == ["error"], "the worker answered it, once"
+
+
+def test_a_job_the_worker_fails_on_ends_with_an_internal_error_and_its_record(own_stack):
+    """A fault of the worker's own (here a job without its messages, as a foreign producer might queue it) is told
+    to the client as a retryable internal_error and recorded, not dropped with the task."""
+    env = own_stack.env
+    r = redis.Redis.from_url(env["REDIS_URL"])
+    request_id = uuid.uuid4().hex
+    job = {"request_id": request_id, "conversation_id": None, "room": None, "channel": events_channel(request_id),
+           "source": "api", "enqueued_at": time.time(), "params": Generation(max_new_tokens=4).to_wire()}
+    make_celery(env["REDIS_URL"]).send_task(GENERATE_TASK, args=[job], task_id=request_id, queue=QUEUE)
+    wait_for(lambda: r.exists(final_key(request_id)), timeout=60, what="the job's final event")
+    event = json.loads(r.get(final_key(request_id)))
+    assert event["event"] == "error" and event["code"] == "internal_error" and event["retryable"], event
+    assert "KeyError" in event["message"] and "tell the server's operator" in event["message"], event
+    with make_session_factory(make_engine(env["DATABASE_URL"]))() as db:
+        record = db.get(RequestRecord, request_id)
+        assert record is not None and record.finish_reason == "error" and "KeyError" in record.error
+    response, _ = post(own_stack.web_urls[0], "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2})
+    assert response.status_code == 200, "the worker goes on serving"

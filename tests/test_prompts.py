@@ -83,6 +83,23 @@ def test_a_template_that_raises_is_the_clients_error_and_final(engine):
     assert render_chat(engine, wrong[:1]) == engine.render_chat(wrong[:1])
 
 
+# A template with a bug of its own on some messages: Jinja raises Python's TypeError, not a TemplateError.
+CRASH = "{% for m in messages %}{% if m['content'] == 'crash' %}{{ 1 + 'a' }}{% endif %}{% endfor %}"
+
+
+def test_a_template_that_fails_on_the_messages_is_the_clients_error_and_final(engine):
+    engine.tokenizer.chat_template = CRASH + engine.tokenizer.chat_template
+    crashing = [{"role": "user", "content": "crash"}]
+    for tools in (None, [LOOKUP]):
+        with pytest.raises(InvalidRequestError, match="chat template failed on these messages \\(TypeError: ") as failed:
+            render_chat(engine, crashing, tools)
+        assert "tell the server's operator" in str(failed.value)
+        assert refusal_code(failed.value, {"source": "api"}) == "invalid_messages", "a 400, not sent again"
+    with pytest.raises(InvalidRequestError, match="non-empty list"):   # the engine's own refusal, as it was
+        render_chat(engine, [])
+    assert render_chat(engine, [{"role": "user", "content": "fine"}])
+
+
 def test_a_prompt_too_long_for_the_worker_is_final_with_openais_code_for_the_api(engine):
     with pytest.raises(InvalidRequestError) as too_long:
         engine.submit("r", prompt_token_ids=[1] * engine.max_model_len)

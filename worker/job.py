@@ -69,7 +69,8 @@ class Job:
 
     def run(self) -> None:
         """The Celery task's work. Raises Reject (the request goes back to the queue) while the worker shuts down,
-        or while Redis or the database stay away."""
+        or while Redis or the database stay away. Any other fault ends the request with an `internal_error`
+        (retryable) and its record, so no request is dropped unanswered."""
         if self.rt.draining.is_set():
             raise Reject("this worker is shutting down", requeue=True)
         try:
@@ -78,6 +79,14 @@ class Job:
             # Never acked as done: the request is answered again (or its stored answer shown) once both are back.
             log.warning("handing %s back to the queue: %s", self.request_id, exc)
             raise Reject(str(exc), requeue=True) from exc
+        except Exception as exc:   # a fault of this worker's: the client is told, and the request has its record
+            log.exception("could not answer %s", self.request_id)
+            try:
+                self.fail("internal_error", f"The worker failed while answering this request ({type(exc).__name__}); "
+                                            "it was not answered. Send it again; if it fails again, tell the "
+                                            "server's operator (the worker's log names the cause).")
+            except Unavailable as down:   # the failure cannot be recorded now: the request comes back later
+                raise Reject(str(down), requeue=True) from down
 
     def answer(self) -> None:
         if replayable(self.spec) and (stored := self.stored_outcome()) is not None:   # answered before: show it again

@@ -6,7 +6,7 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from messaging.prompt_form import PromptForm, digest
-from messaging.prompts import plain, shaped, template_refusal
+from messaging.prompts import plain, shaped, template_failure, template_refusal
 from worker.engine import InvalidRequestError
 
 
@@ -48,9 +48,12 @@ class TemplateRefused(InvalidRequestError):
     code = "invalid_messages"
 
 
-def template_refused(exc: TemplateError) -> TemplateRefused:
-    """The chat template's own complaint (`raise_exception`: roles out of order, say) as the client's error."""
-    return TemplateRefused(template_refusal(str(exc.message or exc)))
+def template_refused(exc: Exception) -> TemplateRefused:
+    """The chat template's own complaint (`raise_exception`: roles out of order, say), or its failure on the
+    messages (a TypeError inside it), as the client's error: the same messages would fail again."""
+    if isinstance(exc, TemplateError):
+        return TemplateRefused(template_refusal(str(exc.message or exc)))
+    return TemplateRefused(template_failure(exc))
 
 
 def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
@@ -59,7 +62,7 @@ def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> 
     chat, kwargs = shaped(messages, tools, has_tool_format(tokenizer))
     try:
         return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **kwargs))
-    except TemplateError as exc:
+    except Exception as exc:   # the template's refusal, or its own error on these messages
         raise template_refused(exc) from exc
 
 
@@ -69,7 +72,9 @@ def render_chat(engine, messages: list[dict], tools: list[dict] | None = None) -
     if not tools and plain(messages):
         try:
             return engine.render_chat(messages)
-        except TemplateError as exc:
+        except InvalidRequestError:
+            raise
+        except Exception as exc:   # the template's refusal, or its own error on these messages
             raise template_refused(exc) from exc
     return render(engine.tokenizer, messages, tools)
 

@@ -95,6 +95,11 @@ def test_a_streaming_client_that_goes_away_cancels_its_answer(stack, db):
 
 def test_models_lists_what_the_worker_serves(client, tiny_model_dir):
     assert [m.id for m in client.models.list().data] == [str(tiny_model_dir)]
+    # A name that is a path: the client asks for /v1/models//tmp/...
+    assert client.models.retrieve(str(tiny_model_dir)).id == str(tiny_model_dir)
+    with pytest.raises(openai.NotFoundError, match="GET /v1/models lists") as missing:
+        client.models.retrieve("someone/other-model")
+    assert missing.value.code == "model_not_found"
 
 
 @pytest.mark.parametrize("body, code", [

@@ -110,10 +110,27 @@ def served_models() -> list[str]:
     return sorted(n for n in names if n) or ["supportbot"]
 
 
+def model_entry(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "supportbot"}
+
+
 @bp.get("/models")
 def models():
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "supportbot"}
-                                       for name in served_models()]}
+    return {"object": "list", "data": [model_entry(name) for name in served_models()]}
+
+
+@bp.get("/models/<path:model>", merge_slashes=False)
+@bp.get("/models//<path:model>", merge_slashes=False)
+def model(model: str):
+    """One served model (the openai client's `models.retrieve`). A name that is a path keeps its slashes, its
+    leading one included (`/v1/models//srv/models/x`); names are compared without a leading slash."""
+    for name in served_models():
+        if name.strip("/") == model.strip("/"):
+            return model_entry(name)
+    shown = model if len(model) <= MAX_MODEL_CHARS else model[:MAX_MODEL_CHARS] + "..."
+    return error_response(UserError("model_not_found", f"The model '{shown}' is not served here; GET /v1/models "
+                                                       "lists the models this server serves.", param="model",
+                                    status=404))
 
 
 def parse_messages(body: dict) -> list[dict]:

@@ -3,7 +3,8 @@ seconds, and checks every /v1 request against it before anything else is done (n
 a refused request).
 
 A revoked key is refused by every web process at most REFRESH_S seconds (plus one reload's query) after the
-revocation is committed; a new key is accepted at once (a key the copy lacks is looked up in the table). The raw key is hashed on arrival and goes nowhere else: not into logs, Redis or SQL.
+revocation is committed; a new key is accepted at once (a key the copy lacks is looked up in the table). The raw
+key is hashed on arrival and goes nowhere else: not into logs, Redis or SQL.
 """
 
 from __future__ import annotations

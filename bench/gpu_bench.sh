@@ -194,14 +194,15 @@ backend|all) # eager (prefill and mixed) steps: one FlexAttention call for every
 esac
 case $part in
 host|all)    # the host's share of a decode step by part (schedule, runner, draw, append) on a one-layer model, at 16,
-             # 64 and 256 rows, greedy and the chat's sampling (top-p, DRY) with two stop strings like its lead's
+             # 64 and 256 rows, greedy and the chat's sampling (top-p, DRY) with two stop strings like its lead's;
+             # HOST_DEVICE=cpu runs it here, to check the part before a GPU is lent
     for rows in 16 64 256; do
         for kind in greedy chat; do
             name="host-$rows-$kind"
             args=(--rows "$rows")
             [ "$kind" = chat ] && args+=(--temperature 0.7 --top-p 0.9 --dry-multiplier 0.8 --stop '<tool' --stop ORDER-END)
             echo "== $name: python -m bench.host_time ${args[*]}" | tee -a "$out/commands.txt"
-            if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.host_time --model "$kit/model" --device cuda "${args[@]}" \
+            if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.host_time --model "$kit/model" --device "${HOST_DEVICE:-cuda}" "${args[@]}" \
                     --json "$out/$name.json" > "$out/$name.log" 2>&1; then
                 echo "!! $name failed" | tee -a "$out/failed.txt"
                 failed+=("$name")

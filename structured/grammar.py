@@ -1,4 +1,5 @@
-"""A JSON-schema constraint, optionally wrapped in literal text and repeated, compiled to an llguidance grammar."""
+"""An answer's constraint compiled to an llguidance grammar: a JSON schema (optionally wrapped in literal text and
+repeated), or a regular expression, a choice of literal texts or a Lark grammar (vLLM's structured outputs)."""
 
 from __future__ import annotations
 
@@ -37,17 +38,31 @@ class Structure:
     repeat: bool = False
     separator: str = "\n"
     lazy: bool = False
+    # In place of a JSON value, the whole answer: one match of `regex`, one of the texts of `choice`, or what the
+    # Lark grammar `lark` (llguidance's dialect) derives from its `start` rule.
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    lark: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """The job's form of it (plain JSON), read back by `from_json`."""
+        other = {name: list(value) if name == "choice" else value
+                 for name in ("regex", "choice", "lark") if (value := getattr(self, name)) is not None}
         return {"schema": self.schema, "begin": self.begin, "end": self.end, "repeat": self.repeat,
-                "separator": self.separator, **({"lazy": True} if self.lazy else {})}
+                "separator": self.separator, **({"lazy": True} if self.lazy else {}), **other}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Structure:
         return cls(schema=data.get("schema"), begin=data.get("begin", ""), end=data.get("end", ""),
                    repeat=bool(data.get("repeat", False)), separator=data.get("separator", "\n"),
-                   lazy=bool(data.get("lazy", False)))
+                   lazy=bool(data.get("lazy", False)), regex=data.get("regex"),
+                   choice=tuple(data["choice"]) if data.get("choice") is not None else None, lark=data.get("lark"))
+
+    @property
+    def what(self) -> str:
+        """What the constraint is, for its error messages."""
+        return "regex" if self.regex is not None else "choice" if self.choice is not None else \
+            "grammar" if self.lark is not None else "JSON schema"
 
     @property
     def key(self) -> str:
@@ -67,6 +82,8 @@ class Structure:
 @lru_cache(maxsize=256)
 def _grammar(key: str) -> str:
     data = json.loads(key)
+    if any(data.get(name) is not None for name in ("regex", "choice", "lark")):
+        return _text_grammar(key, data)
     schema = data["schema"] if data["schema"] is not None else ANY_OBJECT
     if not isinstance(schema, dict):
         raise StructureError("The JSON schema must be a JSON object.")
@@ -89,6 +106,30 @@ def _grammar(key: str) -> str:
     error = LLMatcher.validate_grammar(grammar)
     if error:
         raise StructureError(f"The JSON schema cannot be used: {_reason(error)}")
+    return grammar
+
+
+def _text_grammar(key: str, data: dict[str, Any]) -> str:
+    """The grammar of a regex, a choice or a Lark grammar: the whole answer."""
+    what = Structure.from_json(data).what
+    if len(key) > MAX_SCHEMA_BYTES:
+        raise StructureError(f"The {what} is longer than {MAX_SCHEMA_BYTES // 1024} KiB; send a smaller one.")
+    texts = data.get("choice")
+    if texts is not None and (not texts or not all(isinstance(t, str) and t for t in texts)):
+        raise StructureError("The choice must be a list of one or more non-empty texts.")
+    try:
+        if data.get("regex") is not None:
+            grammar = LLMatcher.grammar_from_regex(data["regex"])
+        elif texts is not None:
+            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(t, ensure_ascii=False)
+                                                                         for t in texts))
+        else:
+            grammar = LLMatcher.grammar_from_lark(data["lark"])
+    except (TypeError, ValueError) as exc:
+        raise StructureError(f"The {what} cannot be used: {exc}") from None
+    error = LLMatcher.validate_grammar(grammar)
+    if error:
+        raise StructureError(f"The {what} cannot be used: {_reason(error)}")
     return grammar
 
 

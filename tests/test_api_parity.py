@@ -6,6 +6,7 @@ engine run directly."""
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import openai
@@ -59,6 +60,31 @@ def test_json_object_mode_answers_a_json_object(stack):
     choice = reply["choices"][0]
     assert choice["finish_reason"] == "stop", "the object was complete before the token limit"
     assert isinstance(json.loads(choice["message"]["content"]), dict)
+
+
+def test_vllms_structured_outputs_hold_answers_to_a_choice_a_regex_or_a_grammar(client):
+    """vLLM's `structured_outputs` and its older `guided_*` fields, as its clients send them (extra_body), on both
+    endpoints, whole and streamed."""
+    choices = ["shipped", "delivered", "lost"]
+    for extra in ({"structured_outputs": {"choice": choices}},
+                  {"guided_choice": choices, "guided_decoding_backend": "xgrammar"}):
+        reply = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=20, seed=1, extra_body=extra)
+        assert reply.choices[0].message.content in choices and reply.choices[0].finish_reason == "stop", extra
+    for extra in ({"guided_regex": "NW-[0-9]{5}"}, {"structured_outputs": {"regex": "NW-[0-9]{5}"}}):
+        done = client.completions.create(model="any", prompt=["Order number: ", "Yours: "], max_tokens=20, seed=2,
+                                         extra_body=extra)
+        assert [c.finish_reason for c in done.choices] == ["stop", "stop"], extra
+        assert all(re.fullmatch(r"NW-[0-9]{5}", c.text) for c in done.choices), [c.text for c in done.choices]
+    lark = 'start: "Order " ID " is " STATUS\nID: /[0-9]{4}/\nSTATUS: "late" | "on time"'
+    stream = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, seed=3, stream=True,
+                                            extra_body={"structured_outputs": {"grammar": lark}})
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert re.fullmatch(r"Order [0-9]{4} is (late|on time)", text), text
+    schema = {"type": "object", "properties": {"status": {"enum": choices}}, "required": ["status"],
+              "additionalProperties": False}
+    reply = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, seed=4,
+                                           extra_body={"structured_outputs": {"json": json.dumps(schema)}})
+    assert json.loads(reply.choices[0].message.content)["status"] in choices
 
 
 def test_a_forced_tool_call_streams_deltas_the_client_reassembles(client):
@@ -307,6 +333,14 @@ BAD = [
     ("/completions", {"prompt": ["a", 5]}, "prompt"),
     ("/completions", {"prompt": ["a", ""]}, "prompt"),
     ("/completions", {"prompt": "hi", "n": 0}, "n"),
+    ("/chat/completions", {"structured_outputs": {"regex": "(("}}, "structured_outputs.regex"),
+    ("/chat/completions", {"structured_outputs": {"choice": ["a"], "regex": "a"}}, "structured_outputs"),
+    ("/chat/completions", {"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs.structural_tag"),
+    ("/chat/completions", {"guided_json": {"type": "strnig"}}, "guided_json"),
+    ("/chat/completions", {"guided_choice": []}, "guided_choice"),
+    ("/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
+    ("/completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: nowhere"}},
+     "structured_outputs.grammar"),
     ("/chat/completions", {"dry_multiplier": -0.5}, "dry_multiplier"),
     ("/chat/completions", {"dry_multiplier": 0.8, "dry_base": 0.5}, "dry_base"),
     ("/chat/completions", {"dry_allowed_length": 0}, "dry_allowed_length"),

@@ -89,3 +89,32 @@ def test_the_job_form_round_trips():
     structure = Structure(ORDER, begin="<a>", end="</a>", repeat=True, separator=" ")
     assert Structure.from_json(json.loads(json.dumps(structure.to_json()))) == structure
     assert Structure.from_json(structure.to_json()).key == structure.key
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_regex_a_choice_and_a_lark_grammar_constrain_the_whole_answer(tokenizer, seed):
+    import re
+    text = generate(tokenizer, Structure(regex=r"NW-[0-9]{5}"), seed)
+    assert re.fullmatch(r"NW-[0-9]{5}", text), text
+    choices = ("shipped", "delivered", "a \"quoted\" \\ reply\n")
+    assert generate(tokenizer, Structure(choice=choices), seed) in choices
+    lark = 'start: "Order " ID " is " STATUS\nID: /[0-9]{4}/\nSTATUS: "late" | "on time"'
+    assert re.fullmatch(r"Order [0-9]{4} is (late|on time)", generate(tokenizer, Structure(lark=lark), seed))
+
+
+@pytest.mark.parametrize("structure, reason", [
+    (Structure(regex="(("), "The regex cannot be used: .*unclosed group"),
+    (Structure(choice=()), "one or more non-empty texts"),
+    (Structure(choice=("yes", "")), "one or more non-empty texts"),
+    (Structure(lark="start: missing_rule"), "The grammar cannot be used: .*missing_rule"),
+])
+def test_a_regex_choice_or_grammar_that_cannot_compile_says_why(structure, reason):
+    with pytest.raises(StructureError, match=reason):
+        structure.check()
+
+
+def test_the_job_form_of_a_regex_a_choice_and_a_grammar_round_trips():
+    for structure in (Structure(regex="[a-z]+"), Structure(choice=("yes", "no")), Structure(lark='start: "a"')):
+        back = Structure.from_json(json.loads(json.dumps(structure.to_json())))
+        assert back == structure and back.key == structure.key
+    assert "regex" not in Structure(ORDER).to_json(), "a JSON constraint's form is as it was"

@@ -319,9 +319,14 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
     extra: dict = {}
     use = api_params.tool_use(body)
     structure = api_params.response_format(body)
+    guided = api_params.structured_outputs(body)
+    if structure is not None and guided is not None:
+        raise UserError("invalid_value", "'response_format' and vLLM's structured outputs cannot be used together; "
+                                         "send one of them.", param="response_format")
+    structure = structure or guided
     if structure is not None and use.forces:
-        raise UserError("invalid_value", "'response_format' and a 'tool_choice' that forces a call cannot be used "
-                                         "together; send one of them.", param="response_format")
+        raise UserError("invalid_value", "'response_format' (or structured outputs) and a 'tool_choice' that forces "
+                                         "a call cannot be used together; send one of them.", param="response_format")
     if structure is None:   # with a response_format, the answer is its JSON and "auto" calls cannot be written
         structure = use.structure
     if use.offered:
@@ -344,6 +349,9 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
     generation = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1, logprobs=logprobs,
                                      score_prompt=echo)
     extra = {jobs.PROMPT: prompts[0], **({jobs.ECHO: True} if echo else {})}
+    structure = api_params.structured_outputs(body)
+    if structure is not None:
+        extra[jobs.STRUCTURE] = structure.to_json()
     return Request([], generation, extra, api_answers.Shape(model, logprobs=logprobs is not None, echo=echo,
                                                         include_usage=include_usage), prompts[1:])
 

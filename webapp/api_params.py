@@ -127,6 +127,87 @@ def response_format(body: dict) -> Structure | None:
     return structure
 
 
+# vLLM's structured outputs: `structured_outputs` holds one of these; its older top-level `guided_*` fields name one
+# each. A grammar is Lark, in llguidance's dialect.
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+# Options vLLM takes beside the kind that change nothing here: JSON is always written without spare whitespace,
+# and there is one backend (llguidance), so nothing to fall back from.
+STRUCTURED_NEUTRAL = ("disable_any_whitespace", "disable_fallback")
+
+
+def structured_outputs(body: dict) -> Structure | None:
+    """vLLM's `structured_outputs` ({"json": schema}, {"regex": ...}, {"choice": [...]}, {"grammar": lark} or
+    {"json_object": true}), or its older `guided_json`, `guided_regex`, `guided_choice` and `guided_grammar`,
+    compiled here: a constraint that cannot be used is refused before anything is queued."""
+    spec = body.get("structured_outputs")
+    guided = {kind: body[name] for name, kind in GUIDED_FIELDS.items() if body.get(name) is not None}
+    if body.get("guided_whitespace_pattern") is not None:
+        raise UserError("unsupported_parameter", "'guided_whitespace_pattern' is not supported by this server (JSON "
+                                                 "is written without spare whitespace); remove it.",
+                        param="guided_whitespace_pattern")
+    if spec is None and not guided:
+        return None
+    if spec is not None and guided:
+        raise invalid("structured_outputs", "Send either 'structured_outputs' or the older 'guided_*' fields, not "
+                                            "both.")
+    if spec is not None:
+        param = "structured_outputs"
+        if not isinstance(spec, dict):
+            raise invalid(param, "'structured_outputs' must be an object with one of "
+                                 f"{', '.join(STRUCTURED_KINDS)}, e.g. {{\"choice\": [\"yes\", \"no\"]}}.")
+        other = [k for k in spec if k not in STRUCTURED_KINDS and k not in STRUCTURED_NEUTRAL]
+        if other:
+            raise UserError("unsupported_parameter", f"'structured_outputs.{str(other[0])[:40]}' is not supported by "
+                                                     f"this server; remove it (it takes {', '.join(STRUCTURED_KINDS)}).",
+                            param=f"structured_outputs.{str(other[0])[:40]}")
+        for name in STRUCTURED_NEUTRAL:
+            if name in spec and not isinstance(spec[name], bool):
+                raise invalid(f"{param}.{name}", f"'{param}.{name}' must be true or false.")
+        kinds = {k: spec[k] for k in STRUCTURED_KINDS if spec.get(k) is not None and spec.get(k) is not False}
+    else:
+        param = next(name for name, kind in GUIDED_FIELDS.items() if kind in guided)
+        kinds = guided
+    if len(kinds) != 1:
+        raise invalid(param, f"'{param}' must name exactly one constraint ({', '.join(STRUCTURED_KINDS)}); got "
+                             f"{len(kinds)}.")
+    kind, value = next(iter(kinds.items()))
+    where = f"{param}.{kind}" if param == "structured_outputs" else param
+    structure = structured_one(kind, value, where)
+    try:
+        structure.check()
+    except StructureError as exc:
+        raise UserError("invalid_schema" if kind == "json" else "invalid_value", f"{where}: {exc}",
+                        param=where) from None
+    return structure
+
+
+def structured_one(kind: str, value: Any, where: str) -> Structure:
+    """One kind of vLLM's structured outputs as a Structure; UserError when the value is not of its type."""
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise invalid(where, f"'{where}' must be a JSON schema: an object, or its JSON text.") from None
+        if not isinstance(value, dict):
+            raise invalid(where, f"'{where}' must be a JSON schema: an object, or its JSON text.")
+        return Structure(value)
+    if kind == "json_object":
+        if value is not True:
+            raise invalid(where, f"'{where}' must be true (any JSON object) or left out.")
+        return Structure()
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(t, str) and t for t in value):
+            raise invalid(where, f"'{where}' must be a list of one or more non-empty strings.")
+        return Structure(choice=tuple(value))
+    if not isinstance(value, str) or not value:
+        raise invalid(where, f"'{where}' must be a non-empty string"
+                             + (" (a Lark grammar)." if kind == "grammar" else "."))
+    return Structure(regex=value) if kind == "regex" else Structure(lark=value)
+
+
 @dataclass
 class ToolUse:
     """The tools a request offers the model and how it must use them."""

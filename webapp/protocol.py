@@ -57,6 +57,13 @@ class CommonRequest(BaseModel):
     dry_penalty_last_n: StrictInt | None = None
     dry_sequence_breakers: StrictStr | list[StrictStr] | None = None   # a list, or text-generation-webui's string
     dry_include_prompt: StrictBool | None = None
+    structured_outputs: Any = None             # vLLM's; read by webapp/api_params.py, which says what is wrong
+    guided_json: Any = None                    # vLLM's older structured-output fields, the same
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: StrictStr | None = None   # taken, no effect: there is one backend (llguidance)
+    guided_whitespace_pattern: Any = None      # refused unless null
     service_tier: Any = None                   # its values and their classes: webapp/keyring.py
     user: StrictStr | None = None
     metadata: dict[str, StrictStr] | None = None

@@ -14,6 +14,8 @@ import jinja2.nodes
 from jinja2.exceptions import SecurityError, TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from messaging.prompts import cut_at_tag, tag_final
+
 __all__ = ["TemplateError", "render"]
 
 
@@ -88,11 +90,16 @@ def compiled(source: str) -> jinja2.Template:
 
 
 def render(source: str, messages: list[dict], special_tokens: dict[str, str], tools: list[dict] | None = None,
-           add_generation_prompt: bool = True) -> str:
+           add_generation_prompt: bool = True, continue_final_message: bool = False,
+           extra: dict[str, Any] | None = None) -> str:
     """The prompt's text; TemplateError when the template refuses the messages (`raise_exception`) or fails on them.
 
-    As transformers: keys whose value is None are dropped from each message, and the special tokens (bos_token,
-    eos_token, ...) are the template's variables too."""
+    As transformers: keys whose value is None are dropped from each message, the special tokens (bos_token,
+    eos_token, ...) and `extra` (a client's chat_template_kwargs) are the template's variables too, and
+    `continue_final_message` cuts the text after the final message's content."""
     chat: list[dict[str, Any]] = [{k: v for k, v in m.items() if v is not None} for m in messages]
-    return compiled(source).render(messages=chat, tools=tools, documents=None,
-                                   add_generation_prompt=add_generation_prompt, **special_tokens)
+    if continue_final_message:
+        chat = tag_final(chat)
+    text = compiled(source).render(messages=chat, tools=tools, documents=None,
+                                   add_generation_prompt=add_generation_prompt, **{**special_tokens, **(extra or {})})
+    return cut_at_tag(text) if continue_final_message else text

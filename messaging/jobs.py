@@ -10,6 +10,8 @@
     structure     structured.Structure.to_json(): the answer's grammar (a JSON schema, forced tool calls)
     tools         OpenAI tool definitions the prompt offers the model (rendered by the worker)
     grounding     the chat's: what the worker looks up before the model writes (messaging/grounding.py)
+    template      messaging.prompts.TemplateOptions.to_json(): vLLM's chat_template_kwargs, add_generation_prompt
+                  and continue_final_message, when a request set them
     prompt        /v1/completions: the prompt as text or token ids, used as it is (no chat template); then
                   `messages` is empty
     echo          /v1/completions: the final event carries the prompt's text (and its log-probabilities when
@@ -21,7 +23,7 @@ from __future__ import annotations
 
 from messaging.contract import DEFAULT_CLASS
 
-STRUCTURE, TOOLS, PROMPT, ECHO = "structure", "tools", "prompt", "echo"
+STRUCTURE, TOOLS, PROMPT, ECHO, TEMPLATE = "structure", "tools", "prompt", "echo", "template"
 HTTP_REQUEST_ID = "http_request_id"
 
 

@@ -5,10 +5,62 @@ count the same prompt."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 from typing import Any
 
 from structured import Tool
 from structured.tools import call_text, instructions, response_text
+
+
+# Names a client's chat_template_kwargs may not take: the template's own inputs, and transformers'
+# apply_chat_template's parameters (which would be read as those, not passed to the template).
+RESERVED_TEMPLATE_NAMES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "conversation",
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "kwargs"})
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a chat is rendered beyond its messages (vLLM's chat fields): extra template variables (Qwen3's
+    `enable_thinking`, say), whether the assistant's turn is opened, and whether the final message is left open for
+    the model to continue (a prefilled answer)."""
+
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def to_json(self) -> dict[str, Any] | None:
+        """The job's form; None for the defaults (a job without it renders as before)."""
+        if self == TemplateOptions():
+            return None
+        return {"kwargs": self.kwargs, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> TemplateOptions | None:
+        if not data:
+            return None
+        return cls(dict(data.get("kwargs") or {}), bool(data.get("add_generation_prompt", True)),
+                   bool(data.get("continue_final_message", False)))
+
+
+# transformers marks the end of a message to continue with this text, renders, and cuts the chat there.
+CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final(chat: list[dict]) -> list[dict]:
+    """The chat with its final message's (text) content marked where the prompt is to be cut."""
+    return [*chat[:-1], {**chat[-1], "content": (chat[-1].get("content") or "") + CONTINUE_TAG}]
+
+
+def cut_at_tag(rendered: str) -> str:
+    """The rendered chat up to the final message's mark, as transformers' continue_final_message cuts it (with
+    trailing blanks the template trimmed trimmed too); ValueError when the template dropped the mark."""
+    at = rendered.rfind(CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError("the chat template drops part of the final message, so it cannot be continued")
+    return rendered[:at] if rendered[at:at + len(CONTINUE_TAG)] == CONTINUE_TAG else rendered[:at].rstrip()
 
 
 def _arguments(text: Any) -> Any:

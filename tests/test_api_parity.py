@@ -17,10 +17,12 @@ from pydantic import BaseModel, Field
 from sqlalchemy import func, select
 
 from messaging.contract import QUEUE
+from messaging.prompts import TemplateOptions
 from models import RequestRecord
 from tests.test_api_stack import MESSAGES, engine_direct, stream_heard
 from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
-from worker.model_loader import load_model
+from worker.model_loader import load_model, load_tokenizer
+from worker.prompts import render
 from worker.settings import weights_setting
 
 LOOKUP = {"type": "function", "function": {
@@ -85,6 +87,25 @@ def test_vllms_structured_outputs_hold_answers_to_a_choice_a_regex_or_a_grammar(
     reply = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=40, seed=4,
                                            extra_body={"structured_outputs": {"json": json.dumps(schema)}})
     assert json.loads(reply.choices[0].message.content)["status"] in choices
+
+
+def test_vllms_chat_template_fields_reach_the_template(client, tiny_model_dir):
+    """chat_template_kwargs, add_generation_prompt and continue_final_message (a prefilled answer the model
+    continues), as vLLM's clients send them: the worker renders the prompt the web counted with them."""
+    served = load_tokenizer(str(tiny_model_dir))
+    prefilled = [*MESSAGES, {"role": "assistant", "content": "Your order "}]
+    prefill = TemplateOptions(add_generation_prompt=False, continue_final_message=True)
+    no_thinking = {"enable_thinking": False}
+    cases = [(MESSAGES, {"chat_template_kwargs": no_thinking}, TemplateOptions(no_thinking)),
+             (prefilled, {"continue_final_message": True, "add_generation_prompt": False}, prefill),
+             (prefilled, {"continue_final_message": True}, prefill),   # the generation prompt is off with it
+             (prefilled, {"add_generation_prompt": False}, TemplateOptions(add_generation_prompt=False))]
+    counts = []
+    for messages, extra, options in cases:
+        reply = client.chat.completions.create(model="any", messages=messages, max_tokens=2, extra_body=extra)
+        counts.append(reply.usage.prompt_tokens)
+        assert counts[-1] == len(render(served, messages, None, options)), extra
+    assert counts[1] < counts[3], "the prefilled message is left open: no end of turn after it"
 
 
 def test_a_forced_tool_call_streams_deltas_the_client_reassembles(client):
@@ -341,6 +362,11 @@ BAD = [
     ("/chat/completions", {"response_format": {"type": "json_object"}, "guided_regex": "a"}, "response_format"),
     ("/completions", {"prompt": "hi", "structured_outputs": {"grammar": "start: nowhere"}},
      "structured_outputs.grammar"),
+    ("/chat/completions", {"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    ("/chat/completions", {"chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
+    ("/chat/completions", {"continue_final_message": True, "add_generation_prompt": True}, "continue_final_message"),
+    ("/chat/completions", {"continue_final_message": True}, "continue_final_message"),   # the last message is a user's
+    ("/chat/completions", {"add_generation_prompt": "yes"}, "add_generation_prompt"),
     ("/chat/completions", {"dry_multiplier": -0.5}, "dry_multiplier"),
     ("/chat/completions", {"dry_multiplier": 0.8, "dry_base": 0.5}, "dry_base"),
     ("/chat/completions", {"dry_allowed_length": 0}, "dry_allowed_length"),

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer
 
 from messaging import chat_template
 from messaging.prompt_form import PromptForm
+from messaging.prompts import TemplateOptions
 from tests.test_prompts import HISTORY, LOOKUP, ROLE_CHECK, TOOL_TEMPLATE
 from webapp.prompt_check import Model
 from worker.engine import InvalidRequestError
@@ -70,3 +71,31 @@ def test_the_web_hears_a_templates_refusal_as_the_worker_does(tokenizer):
     with pytest.raises(chat_template.TemplateError, match="roles must alternate"):
         model.chat_tokens([PLAIN[0], PLAIN[1], PLAIN[1]])   # two user messages in a row
     assert model.chat_tokens(PLAIN) > 0
+
+
+# A template variable as Qwen3's reads it: enable_thinking false opens the answer with an empty thought.
+THINKING = ("{% if add_generation_prompt and enable_thinking is defined and enable_thinking is false %}"
+            "<think>\n\n</think>\n\n{% endif %}")
+PREFILLED = [*PLAIN, {"role": "assistant", "content": "Order NW-1 is "}]
+
+
+def test_the_web_counts_what_the_worker_renders_with_a_clients_template_options(tokenizer):
+    own = tokenizer.chat_template
+    tokenizer.chat_template = own + THINKING
+    try:
+        model = published(tokenizer)
+        plain = render(tokenizer, PLAIN)
+        no_thinking = TemplateOptions({"enable_thinking": False})
+        thought = render(tokenizer, PLAIN, options=no_thinking)
+        assert tokenizer.decode(thought[len(plain):]) == "<think>\n\n</think>\n\n", "the variable reached it"
+        prefill = TemplateOptions(add_generation_prompt=False, continue_final_message=True)
+        continued = render(tokenizer, PREFILLED, options=prefill)
+        assert tokenizer.decode(continued).endswith("<|im_start|>assistant\nOrder NW-1 is "), "left open"
+        closed = TemplateOptions(add_generation_prompt=False)
+        assert tokenizer.decode(render(tokenizer, PREFILLED, options=closed)).endswith("Order NW-1 is <|im_end|>\n")
+        for messages, options in ((PLAIN, no_thinking), (PREFILLED, prefill), (PREFILLED, closed),
+                                  (PLAIN, TemplateOptions({"enable_thinking": True}))):
+            for tools in (None, [LOOKUP]):
+                assert model.chat_tokens(messages, tools, options) == len(render(tokenizer, messages, tools, options))
+    finally:
+        tokenizer.chat_template = own

@@ -16,6 +16,7 @@ from werkzeug.exceptions import HTTPException, RequestEntityTooLarge
 from messaging import jobs
 from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
+from messaging.prompts import TemplateOptions
 
 from . import api_answers, api_batch, api_params, headers, keyring, limits, prompt_check, protocol, queue
 from .disconnect import CLIENT_CHECK_S, ClientGone, final_event
@@ -331,6 +332,9 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
         structure = use.structure
     if use.offered:
         extra[jobs.TOOLS] = [tool.to_openai() for tool in use.tools]
+    options = api_params.template_options(body, messages)
+    if options is not None:
+        extra[jobs.TEMPLATE] = options.to_json()
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()
     shape = api_answers.Shape(model, tools=use.offered, forced=use.forces,
@@ -362,7 +366,8 @@ def check_prompt(request: Request) -> None:
     client, least = current_app.extensions["redis"], request.generation.min_tokens
     try:
         if request.messages:
-            prompt_check.check_chat(client, request.messages, request.extra.get(jobs.TOOLS), least)
+            prompt_check.check_chat(client, request.messages, request.extra.get(jobs.TOOLS), least,
+                                    TemplateOptions.from_json(request.extra.get(jobs.TEMPLATE)))
         else:
             prompt_check.check_completion(client, [request.extra[jobs.PROMPT], *request.more_prompts], least)
     except redis.RedisError as exc:   # queueing reports Redis's absence; the worker checks the prompt itself

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from messaging.generation import MAX_LEGACY_LOGPROBS, MAX_LOGPROBS, Generation, GenerationError
+from messaging.prompts import RESERVED_TEMPLATE_NAMES, TemplateOptions
 from structured import Structure, StructureError, Tool, ToolError
 from structured.tools import forced, offered
 
@@ -159,9 +160,9 @@ def structured_outputs(body: dict) -> Structure | None:
                                  f"{', '.join(STRUCTURED_KINDS)}, e.g. {{\"choice\": [\"yes\", \"no\"]}}.")
         other = [k for k in spec if k not in STRUCTURED_KINDS and k not in STRUCTURED_NEUTRAL]
         if other:
-            raise UserError("unsupported_parameter", f"'structured_outputs.{str(other[0])[:40]}' is not supported by "
-                                                     f"this server; remove it (it takes {', '.join(STRUCTURED_KINDS)}).",
-                            param=f"structured_outputs.{str(other[0])[:40]}")
+            name = f"structured_outputs.{str(other[0])[:40]}"
+            raise UserError("unsupported_parameter", f"'{name}' is not supported by this server; remove it (it takes "
+                                                     f"{', '.join(STRUCTURED_KINDS)}).", param=name)
         for name in STRUCTURED_NEUTRAL:
             if name in spec and not isinstance(spec[name], bool):
                 raise invalid(f"{param}.{name}", f"'{param}.{name}' must be true or false.")
@@ -206,6 +207,44 @@ def structured_one(kind: str, value: Any, where: str) -> Structure:
         raise invalid(where, f"'{where}' must be a non-empty string"
                              + (" (a Lark grammar)." if kind == "grammar" else "."))
     return Structure(regex=value) if kind == "regex" else Structure(lark=value)
+
+
+MAX_TEMPLATE_KWARGS_BYTES = 8 * 1024
+
+
+def template_options(body: dict, messages: list[dict]) -> TemplateOptions | None:
+    """vLLM's chat fields: `chat_template_kwargs` (extra variables for the model's chat template, such as Qwen3's
+    enable_thinking), `add_generation_prompt` (default true) and `continue_final_message` (default false: the
+    answer continues the final, assistant message). None when none is set."""
+    kwargs = body.get("chat_template_kwargs")
+    add = body.get("add_generation_prompt")
+    cont = body.get("continue_final_message")
+    if kwargs is None and add is None and cont is None:
+        return None
+    kwargs = kwargs or {}
+    if not isinstance(kwargs, dict):
+        raise invalid("chat_template_kwargs", "'chat_template_kwargs' must be an object of template variables, e.g. "
+                                              "{\"enable_thinking\": false}.")
+    reserved = sorted(k for k in kwargs if k in RESERVED_TEMPLATE_NAMES or k.startswith("_"))
+    if reserved:
+        raise invalid("chat_template_kwargs", f"'chat_template_kwargs' cannot set {reserved[0][:40]!r}: the server "
+                                              "sets it (messages, tools and the generation prompt have fields of "
+                                              "their own).")
+    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise invalid("chat_template_kwargs", f"'chat_template_kwargs' is longer than "
+                                              f"{MAX_TEMPLATE_KWARGS_BYTES // 1024} KiB; send fewer variables.")
+    for name, value in (("add_generation_prompt", add), ("continue_final_message", cont)):
+        if value is not None and not isinstance(value, bool):
+            raise invalid(name, f"'{name}' must be true or false.")
+    options = TemplateOptions(kwargs, add if add is not None else not cont, bool(cont))
+    if options.continue_final_message:
+        if options.add_generation_prompt:
+            raise invalid("continue_final_message", "'continue_final_message' continues the final message, so "
+                                                    "'add_generation_prompt' must be false with it.")
+        if messages[-1]["role"] != "assistant" or not messages[-1].get("content"):
+            raise invalid("continue_final_message", "'continue_final_message' continues the final message, which "
+                                                    "must be the assistant's, with the text to continue.")
+    return options
 
 
 @dataclass

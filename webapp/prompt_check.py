@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 from messaging import chat_template
 from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.prompt_form import FORM_FIELD, PromptForm, form_key, tokenizer_key
-from messaging.prompts import shaped, template_refusal
+from messaging.prompts import TemplateOptions, shaped, template_refusal
 
 from .queue import UserError
 
@@ -32,11 +32,15 @@ class Model:
     form: PromptForm
     tokenizer: Tokenizer
 
-    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None) -> int:
-        """The prompt tokens of chat messages offering `tools`, as worker/prompts.py's `render` makes them;
-        chat_template.TemplateError when the template refuses them."""
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: TemplateOptions | None = None) -> int:
+        """The prompt tokens of chat messages offering `tools`, rendered with `options`, as worker/prompts.py's
+        `render` makes them; chat_template.TemplateError when the template refuses them."""
         chat, kwargs = shaped(messages, tools, self.form.tool_format)
-        text = chat_template.render(self.form.template, chat, self.form.special_tokens, tools=kwargs.get("tools"))
+        options = options or TemplateOptions()
+        text = chat_template.render(self.form.template, chat, self.form.special_tokens, tools=kwargs.get("tools"),
+                                    add_generation_prompt=options.add_generation_prompt,
+                                    continue_final_message=options.continue_final_message, extra=options.kwargs)
         return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
     def completion_tokens(self, prompt: str | list[int]) -> int:
@@ -102,12 +106,13 @@ def too_long(limit: int, tokens: int, min_answer: int, what: str) -> UserError:
                      param="messages" if what == "messages" else "prompt")
 
 
-def check_chat(client: redis.Redis, messages: list[dict], tools: list[dict] | None, min_tokens: int) -> None:
+def check_chat(client: redis.Redis, messages: list[dict], tools: list[dict] | None, min_tokens: int,
+               options: TemplateOptions | None = None) -> None:
     """UserError when a live worker's template refuses the messages or their prompt leaves no room for an answer
     of at least max(1, min_tokens) tokens."""
     for model in live_models(client):
         try:
-            tokens = model.chat_tokens(messages, tools)
+            tokens = model.chat_tokens(messages, tools, options)
         except chat_template.TemplateError as exc:
             raise UserError("invalid_messages", template_refusal(str(exc.message or exc)),
                             param="messages") from None

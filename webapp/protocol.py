@@ -84,6 +84,9 @@ class ChatCompletionRequest(CommonRequest):
     parallel_tool_calls: StrictBool | None = None
     functions: list[Any] | None = None
     function_call: StrictStr | dict[str, Any] | None = None
+    chat_template_kwargs: Any = None                  # vLLM's; read by webapp/api_params.py
+    add_generation_prompt: StrictBool | None = None   # vLLM's
+    continue_final_message: StrictBool | None = None  # vLLM's
 
 
 class CompletionRequest(CommonRequest):

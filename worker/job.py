@@ -13,7 +13,8 @@ from sqlalchemy.exc import IntegrityError
 
 from messaging.contract import cancelled_key, streamed_key
 from messaging.generation import Generation, GenerationError
-from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TOOLS, replayable, service_class
+from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TEMPLATE, TOOLS, replayable, service_class
+from messaging.prompts import TemplateOptions
 from messaging.stream import STARTED
 from models import Message, RequestRecord
 from structured import Structure, StructureError, Tool, ToolError
@@ -118,7 +119,8 @@ class Job:
             else:
                 # Keep room for an answer, but never so much that no history fits; a long answer ends at "length".
                 reserve = min(params.max_new_tokens, engine.max_model_len // 4)
-                _, prompt_ids = fit_to_context(engine, job["messages"], reserve=reserve, tools=job.get(TOOLS))
+                _, prompt_ids = fit_to_context(engine, job["messages"], reserve=reserve, tools=job.get(TOOLS),
+                                               options=TemplateOptions.from_json(job.get(TEMPLATE)))
             echo = self.prompt_text(prompt_ids) if job.get(ECHO) else None
             return self.start(prompt_ids, params, shown, echo)
         except (InvalidRequestError, InvalidParamsError, StructureError, GenerationError) as exc:

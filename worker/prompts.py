@@ -6,7 +6,7 @@ from __future__ import annotations
 from jinja2 import TemplateError
 
 from messaging.prompt_form import PromptForm, digest
-from messaging.prompts import plain, shaped, template_failure, template_refusal
+from messaging.prompts import TemplateOptions, plain, shaped, template_failure, template_refusal
 from worker.engine import InvalidRequestError
 
 
@@ -56,27 +56,33 @@ def template_refused(exc: Exception) -> TemplateRefused:
     return TemplateRefused(template_failure(exc))
 
 
-def render(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of chat messages in OpenAI's shape (assistant `tool_calls`, `tool` results) offering `tools`;
-    InvalidRequestError when the template refuses them."""
+def render(tokenizer, messages: list[dict], tools: list[dict] | None = None,
+           options: TemplateOptions | None = None) -> list[int]:
+    """Prompt ids of chat messages in OpenAI's shape (assistant `tool_calls`, `tool` results) offering `tools`,
+    rendered with `options` (a client's template variables, an open final message); InvalidRequestError when the
+    template refuses them."""
     chat, kwargs = shaped(messages, tools, has_tool_format(tokenizer))
+    options = options or TemplateOptions()
     try:
-        return list(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False, **kwargs))
+        return list(tokenizer.apply_chat_template(
+            chat, add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message, return_dict=False, **kwargs, **options.kwargs))
     except Exception as exc:   # the template's refusal, or its own error on these messages
         raise template_refused(exc) from exc
 
 
-def render_chat(engine, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    """Prompt ids of chat messages; plain messages without tools go through the engine's own rendering unchanged.
-    InvalidRequestError when the template refuses them."""
-    if not tools and plain(messages):
+def render_chat(engine, messages: list[dict], tools: list[dict] | None = None,
+                options: TemplateOptions | None = None) -> list[int]:
+    """Prompt ids of chat messages; plain messages without tools or options go through the engine's own rendering
+    unchanged. InvalidRequestError when the template refuses them."""
+    if not tools and options is None and plain(messages):
         try:
             return engine.render_chat(messages)
         except InvalidRequestError:
             raise
         except Exception as exc:   # the template's refusal, or its own error on these messages
             raise template_refused(exc) from exc
-    return render(engine.tokenizer, messages, tools)
+    return render(engine.tokenizer, messages, tools, options)
 
 
 def text_ids(tokenizer, text: str) -> list[int]:
@@ -95,8 +101,8 @@ def completion_ids(engine, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-def fit_to_context(engine, messages: list[dict], reserve: int,
-                   tools: list[dict] | None = None) -> tuple[list[dict], list[int]]:
+def fit_to_context(engine, messages: list[dict], reserve: int, tools: list[dict] | None = None,
+                   options: TemplateOptions | None = None) -> tuple[list[dict], list[int]]:
     """Drop the oldest turns (never the system prompt or the newest message) until the prompt fits.
 
     Returns the kept messages and their rendered prompt ids (with `tools`, if any), so the template is rendered once.
@@ -104,7 +110,7 @@ def fit_to_context(engine, messages: list[dict], reserve: int,
     messages = list(messages)
     budget = engine.max_model_len - reserve
     first = 1 if messages and messages[0].get("role") == "system" else 0
-    while len(ids := render_chat(engine, messages, tools)) > budget:
+    while len(ids := render_chat(engine, messages, tools, options)) > budget:
         if len(messages) - first <= 1:
             raise InvalidRequestError("This message is too long for the assistant to answer; "
                                       "shorten it or split it into several messages.")

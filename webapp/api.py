@@ -18,7 +18,7 @@ from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
 from messaging.prompts import TemplateOptions
 
-from . import api_answers, api_batch, api_params, headers, keyring, limits, prompt_check, protocol, queue
+from . import api_answers, api_batch, api_params, api_responses, headers, keyring, limits, prompt_check, protocol, queue
 from .disconnect import CLIENT_CHECK_S, ClientGone, final_event
 from .queue import UserError
 from .security import clean_text
@@ -235,6 +235,11 @@ def chat_completions():
     return answer(protocol.ChatCompletionRequest, read_chat, api_answers.chat_completion, api_answers.chat_stream)
 
 
+@bp.post("/responses")
+def responses():
+    return answer(protocol.ResponsesRequest, read_responses, api_responses.response, api_responses.response_stream)
+
+
 @bp.post("/completions")
 def completions():
     return answer(protocol.CompletionRequest, read_completion, api_answers.completion,
@@ -341,6 +346,15 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
                               named=use.choice == "function",
                               logprobs=logprobs is not None, include_usage=include_usage)
     return Request(messages, generation, extra, shape)
+
+
+def read_responses(body: dict, model: str, include_usage: bool) -> Request:
+    """A Responses API request read as the chat completion it asks for (webapp/api_responses.py)."""
+    try:
+        request = read_chat(api_responses.chat_body(body), model, include_usage)
+    except UserError as exc:
+        raise api_responses.renamed(exc) from None
+    return request._replace(shape=replace(request.shape, response=api_responses.echoed(body)))
 
 
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:

@@ -23,6 +23,7 @@ class Shape:
     logprobs: bool = False    # chat: choices carry logprobs.content; completions: the legacy logprobs
     echo: bool = False        # completions: the prompt comes before the answer
     include_usage: bool = False
+    response: dict | None = None   # the Responses API: the request's fields its Response repeats
 
 
 def choices_of(done: dict) -> list[dict]:

@@ -16,7 +16,7 @@ Number = StrictFloat | StrictInt
 # OpenAI fields this server does not implement: accepted only at the value that means "not used".
 NEUTRAL = {"functions": [], "function_call": "none", "suffix": "", "best_of": 1}
 # Fields taken and logged that change nothing about the answer (service_tier picks the class: webapp/keyring.py).
-NO_EFFECT = ("user", "metadata", "store")
+NO_EFFECT = ("user", "metadata", "store", "prompt_cache_key", "safety_identifier")
 # The error code a type error in these fields is reported under; any other field's is invalid_value.
 FIELD_CODES = {"messages": "invalid_messages", "prompt": "invalid_prompt"}
 UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "StreamOptions"}
@@ -97,6 +97,42 @@ class CompletionRequest(CommonRequest):
     logprobs: StrictInt | None = None
     best_of: StrictInt | None = None
     suffix: StrictStr | None = None
+
+
+class ResponsesRequest(BaseModel):
+    """POST /v1/responses. Its input items, tools and text format are read further by webapp/api_responses.py,
+    which says what is wrong inside them and which fields it cannot honour."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    input: Any = None
+    instructions: Any = None
+    max_output_tokens: StrictInt | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    stream: StrictBool | None = None
+    stream_options: StreamOptions | None = None
+    tools: list[Any] | None = None
+    tool_choice: StrictStr | dict[str, Any] | None = None
+    parallel_tool_calls: StrictBool | None = None
+    text: dict[str, Any] | None = None
+    truncation: StrictStr | None = None
+    service_tier: Any = None
+    user: StrictStr | None = None
+    metadata: dict[str, StrictStr] | None = None
+    store: StrictBool | None = None
+    prompt_cache_key: StrictStr | None = None     # taken, no effect: prefixes are cached whatever their key
+    safety_identifier: StrictStr | None = None    # taken, logged, as `user`
+    # Refused unless neutral (webapp/api_responses.py says why for each):
+    previous_response_id: Any = None
+    conversation: Any = None
+    background: Any = None
+    prompt: Any = None
+    reasoning: Any = None
+    include: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
 
 
 def read(schema: type[CommonRequest], body: dict) -> CommonRequest:

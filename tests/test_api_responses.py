@@ -1,0 +1,123 @@
+"""OpenAI's Responses API (/v1/responses) through the real queue and worker, driven by the official `openai` client:
+the same answers as the chat completion it stands for, its typed stream events, function calls and their outputs,
+text formats, and refusals that name the field."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+import requests
+
+from tests.test_api_parity import LOOKUP
+
+QUESTION = "Can I change the delivery address of order 1234?"
+FUNCTION = {"type": "function", "name": LOOKUP["function"]["name"], "description": LOOKUP["function"]["description"],
+            "parameters": LOOKUP["function"]["parameters"], "strict": True}
+
+
+@pytest.fixture()
+def client(stack):
+    return openai.OpenAI(base_url=stack.web_urls[0] + "/v1", api_key="not-needed", max_retries=0, timeout=60)
+
+
+def test_a_response_answers_as_the_chat_completion_it_stands_for(client):
+    reply = client.responses.create(model="any", input=QUESTION, max_output_tokens=12, temperature=0,
+                                    instructions="You answer questions about orders.")
+    chat = client.chat.completions.create(model="any", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "You answer questions about orders."}, {"role": "user", "content": QUESTION}])
+    assert reply.id.startswith("resp_") and reply.object == "response"
+    assert reply.output_text == chat.choices[0].message.content
+    assert reply.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+    if reply.status == "incomplete":
+        assert reply.incomplete_details.reason == "max_output_tokens"
+    assert (reply.usage.input_tokens, reply.usage.output_tokens) == (chat.usage.prompt_tokens,
+                                                                     chat.usage.completion_tokens)
+    assert reply.instructions == "You answer questions about orders." and reply.max_output_tokens == 12
+    # A list of input items with text parts and OpenAI's developer role is the same conversation.
+    items = client.responses.create(model="any", max_output_tokens=12, temperature=0, input=[
+        {"role": "developer", "content": "You answer questions about orders."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}])
+    assert items.output_text == reply.output_text
+
+
+def test_a_streamed_response_sends_the_typed_events_in_order(client):
+    whole = client.responses.create(model="any", input=QUESTION, max_output_tokens=10, temperature=0)
+    events = list(client.responses.create(model="any", input=QUESTION, max_output_tokens=10, temperature=0,
+                                          stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete" if whole.status == "incomplete" else "response.completed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-4].text
+    final = events[-1].response
+    assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+    assert {e.item_id for e in events if e.type == "response.output_text.delta"} == {final.output[0].id}
+
+
+def test_function_calls_whole_and_streamed_and_their_outputs_sent_back(client):
+    reply = client.responses.create(model="any", input="Where is order 7?", tools=[FUNCTION], tool_choice="required",
+                                    parallel_tool_calls=False, max_output_tokens=60, temperature=0)
+    calls = [item for item in reply.output if item.type == "function_call"]
+    assert reply.status == "completed" and calls, reply.output
+    assert calls[0].name == "lookup_order" and calls[0].call_id and calls[0].status == "completed"
+    assert set(json.loads(calls[0].arguments)) == {"order_id"}
+
+    events = list(client.responses.create(model="any", input="Where is order 7?", tools=[FUNCTION],
+                                          tool_choice={"type": "function", "name": "lookup_order"},
+                                          max_output_tokens=60, temperature=0, stream=True))
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    final = events[-1].response
+    assert events[-1].type == "response.completed" and len(done) == 1
+    assert deltas == done[0].arguments == final.output[0].arguments
+    assert set(json.loads(deltas)) == {"order_id"}
+
+    # The call and its output go back in `input`: the worker renders them as the chat's tool messages.
+    back = [{"role": "user", "content": "Where is order 7?"},
+            {"type": "function_call", "call_id": calls[0].call_id, "name": "lookup_order",
+             "arguments": calls[0].arguments},
+            {"type": "function_call_output", "call_id": calls[0].call_id, "output": '{"status": "shipped"}'}]
+    answer = client.responses.create(model="any", input=back, tools=[FUNCTION], max_output_tokens=4, temperature=0)
+    chat = [{"role": "user", "content": "Where is order 7?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": calls[0].call_id, "type": "function",
+                                                                 "function": {"name": "lookup_order",
+                                                                              "arguments": calls[0].arguments}}]},
+            {"role": "tool", "tool_call_id": calls[0].call_id, "content": '{"status": "shipped"}'}]
+    same = client.chat.completions.create(model="any", messages=chat, tools=[LOOKUP], max_tokens=4,
+                                          temperature=0)
+    assert answer.usage.input_tokens == same.usage.prompt_tokens
+    assert answer.output_text == (same.choices[0].message.content or "")
+
+
+def test_a_json_schema_text_format_holds_the_answer(client):
+    schema = {"type": "object", "properties": {"status": {"enum": ["shipped", "lost"]}}, "required": ["status"],
+              "additionalProperties": False}
+    reply = client.responses.create(model="any", input=QUESTION, max_output_tokens=40, temperature=0, text={
+        "format": {"type": "json_schema", "name": "status", "schema": schema, "strict": True}})
+    assert json.loads(reply.output_text)["status"] in ("shipped", "lost")
+    assert reply.text.format.type == "json_schema"
+
+
+@pytest.mark.parametrize("fields, code, param", [
+    ({"previous_response_id": "resp_1"}, "unsupported_parameter", "previous_response_id"),
+    ({"reasoning": {"effort": "low"}}, "unsupported_parameter", "reasoning"),
+    ({"tools": [{"type": "web_search"}]}, "unsupported_parameter", "tools"),
+    ({"max_output_tokens": 0}, "invalid_value", "max_output_tokens"),
+    ({"input": [{"type": "input_image", "image_url": "http://127.0.0.1/x.png"}]}, "invalid_value", "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "invalid_value", "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "strnig"}}}}, "invalid_schema",
+     "text.format"),
+    ({"truncation": "sometimes"}, "invalid_value", "truncation"),
+    ({"frequency_penalty": 1}, "unknown_parameter", "frequency_penalty"),
+])
+def test_what_cannot_be_honoured_is_refused_naming_the_field(stack, fields, code, param):
+    body = {"model": "any", "input": QUESTION, **fields}
+    response = requests.post(stack.web_urls[0] + "/v1/responses", json=body, timeout=10)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param), error

@@ -1,0 +1,316 @@
+"""OpenAI's Responses API (POST /v1/responses) on the chat's machinery: a request's input items become chat
+messages and its fields the chat's; the chat's answer becomes a Response, or a stream of the Responses API's typed
+events. No response is kept: a conversation is sent whole in `input`, as with chat completions."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+from structured.tools import Delta, StreamParser
+
+from . import api_answers, queue
+from .api_answers import KEEP_ALIVE, Shape, call_scope
+from .queue import UserError
+
+# Fields a Responses request may carry that this server cannot honour: a value other than these is refused, saying
+# why. Each maps to its neutral values.
+UNSUPPORTED = {
+    "previous_response_id": ((None,), "this server keeps no responses; send the whole conversation in 'input'"),
+    "conversation": ((None,), "this server keeps no conversations; send the whole conversation in 'input'"),
+    "background": ((None, False), "answers are not run in the background here; leave it out"),
+    "prompt": ((None,), "stored prompts are not kept here; send 'instructions' and 'input'"),
+    "reasoning": ((None,), "the models served here do not reason apart from their answer; leave it out"),
+    "include": ((None, []), "no extra output (logprobs, encrypted reasoning) is included here; leave it out"),
+    "top_logprobs": ((None, 0), "use /v1/chat/completions with logprobs for log-probabilities"),
+    "max_tool_calls": ((None,), "tool calls are not capped here; leave it out"),
+}
+# Chat-completion fields the Responses fields become, for errors that name the chat's.
+RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
+ROLES = ("user", "system", "developer", "assistant")
+
+
+def bad(param: str, message: str) -> UserError:
+    return UserError("invalid_value", message, param=param)
+
+
+def chat_body(body: dict) -> dict:
+    """The chat-completions body a Responses body asks for; UserError naming the field at fault."""
+    for name, (neutral, why) in UNSUPPORTED.items():
+        if body.get(name) not in neutral:
+            raise UserError("unsupported_parameter", f"'{name}' is not supported by this server: {why}.", param=name)
+    if body.get("truncation") not in (None, "auto", "disabled"):
+        raise bad("truncation", "'truncation' must be \"auto\" or \"disabled\".")
+    chat: dict[str, Any] = {"messages": messages_of(body)}
+    for source, target in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                           ("parallel_tool_calls", "parallel_tool_calls"), ("stream", "stream"),
+                           ("service_tier", "service_tier"), ("user", "user"), ("metadata", "metadata")):
+        if body.get(source) is not None:
+            chat[target] = body[source]
+    if body.get("tools") is not None:
+        chat["tools"] = tools_of(body["tools"])
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = tool_choice_of(body["tool_choice"])
+    text = body.get("text")
+    if text is not None:
+        if not isinstance(text, dict):
+            raise bad("text", "'text' must be an object like {\"format\": {\"type\": \"json_schema\", ...}}.")
+        fmt = text.get("format")
+        if fmt is not None:
+            if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+                raise bad("text.format", "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                                         "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}.")
+            if fmt["type"] == "json_schema":
+                chat["response_format"] = {"type": "json_schema", "json_schema": {
+                    k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
+            else:
+                chat["response_format"] = {"type": fmt["type"]}
+    return chat
+
+
+def text_of(content: Any, where: str) -> str:
+    """A message's content: its text, or the text of its input_text / output_text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for k, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
+                raise bad("input", f"'{where}.content[{k}]' must be a text part ({{\"type\": \"input_text\", "
+                                   f"\"text\": ...}}); got type {str(kind)[:40]!r} (only text is taken here).")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad("input", f"'{where}.content' must be a string or a list of text parts.")
+
+
+def messages_of(body: dict) -> list[dict]:
+    """`instructions` and `input` (a string, or a list of messages, function calls and their outputs) as chat
+    messages; reasoning items from an earlier answer are left out."""
+    out: list[dict] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise bad("instructions", "'instructions' must be a string.")
+        out.append({"role": "system", "content": instructions})
+    items = body.get("input")
+    if isinstance(items, str):
+        return [*out, {"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad("input", "'input' must be a string or a non-empty list of input items (messages, function calls "
+                           "and their outputs).")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message" and item.get("role") in ROLES:
+            out.append({"role": item["role"], "content": text_of(item.get("content"), where)})
+        elif kind == "function_call":
+            if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
+                raise bad("input", f"'{where}' must have string 'call_id', 'name' and 'arguments'.")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":   # calls after (or with) the assistant's text
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise bad("input", f"'{where}.call_id' must be a string.")
+            out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text_of(item.get("output"),
+                                                                                            where)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise bad("input", f"'{where}' must be a message (role user, system, developer or assistant), a "
+                               f"function_call or a function_call_output; got type {str(kind)[:40]!r}.")
+    return out
+
+
+def tools_of(tools: Any) -> list[dict]:
+    """Function tools in the chat's form; other kinds (web search, file search, ...) are refused."""
+    if not isinstance(tools, list):
+        raise bad("tools", "'tools' must be a list of function tools.")
+    out = []
+    for k, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function":
+            kind = tool.get("type") if isinstance(tool, dict) else None
+            raise UserError("unsupported_parameter", f"'tools[{k}]' is a {str(kind)[:40]!r} tool; only function "
+                                                     "tools are served here.", param="tools")
+        out.append({"type": "function", "function": {k2: tool[k2] for k2 in ("name", "description", "parameters",
+                                                                              "strict") if k2 in tool}})
+    return out
+
+
+def tool_choice_of(choice: Any) -> Any:
+    if choice in ("none", "auto", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                             "\"name\": ...}.")
+
+
+def renamed(exc: UserError) -> UserError:
+    """A chat field's error in the Responses request's words."""
+    param = exc.param or ""
+    head = param.split(".")[0]
+    if head not in RENAMED:
+        return exc
+    message = exc.message.replace(f"'{head}'", f"'{RENAMED[head]}'")
+    return UserError(exc.code, message, exc.retryable, exc.status, RENAMED[head] + param[len(head):], exc.retry_after)
+
+
+def echoed(body: dict) -> dict:
+    """The request's fields a Response repeats."""
+    fmt = (body.get("text") or {}).get("format") or {"type": "text"}
+    return {"instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+            "metadata": body.get("metadata") or {}, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+            "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
+            "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
+            "text": {"format": fmt}, "truncation": body.get("truncation") or "disabled",
+            "user": body.get("user"), "store": False}
+
+
+# ---- the answer ---------------------------------------------------------------------------------------
+
+
+def ids(job: dict) -> tuple[str, str]:
+    return f"resp_{job['request_id']}", f"msg_{job['request_id']}"
+
+
+def message_item(job: dict, text: str, status: str = "completed") -> dict:
+    return {"type": "message", "id": ids(job)[1], "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def call_item(call: dict, status: str = "completed") -> dict:
+    return {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
+
+
+def usage(done: dict) -> dict:
+    return {"input_tokens": done["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": done["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": done["prompt_tokens"] + done["completion_tokens"]}
+
+
+def envelope(job: dict, shape: Shape, status: str, output: list[dict], done: dict | None = None) -> dict:
+    return {"id": ids(job)[0], "object": "response", "created_at": int(job["enqueued_at"]), "status": status,
+            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "model": shape.model, "output": output, **(shape.response or {}),
+            "usage": usage(done) if done is not None else None}
+
+
+def response(job: dict, shape: Shape, done: dict) -> dict:
+    """The whole answer as a Response: the assistant's text (if any), then its function calls."""
+    chat = api_answers.chat_completion(job, shape, done)
+    choice = chat["choices"][0]
+    message = choice["message"]
+    output = [message_item(job, message["content"])] if message.get("content") else []
+    output += [call_item(call) for call in message.get("tool_calls") or []]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    return envelope(job, shape, status, output, done)
+
+
+def event(kind: str, seq: list[int], **fields: Any) -> str:
+    seq[0] += 1
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields})}\n\n"
+
+
+def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
+    """The answer as the Responses API streams it: response.created, then for the text a message item whose text
+    arrives in output_text deltas, for each call a function_call item whose arguments arrive in deltas, and
+    response.completed (or response.incomplete) with the whole Response."""
+    seq = [0]
+    msg_id = ids(job)[1]
+    parser = StreamParser(call_scope(job, 0), shape.forced) if shape.tools else None
+    items: list[dict] = []          # output items opened so far, in order
+    text: list[str] = []            # the open message's text
+    calls: dict[int, dict] = {}     # call index -> its item
+
+    def open_message() -> Iterator[str]:
+        if items and items[-1]["type"] == "message" and items[-1]["status"] == "in_progress":
+            return
+        item = {**message_item(job, "", "in_progress"), "content": []}
+        items.append(item)
+        yield event("response.output_item.added", seq, output_index=len(items) - 1, item=item)
+        yield event("response.content_part.added", seq, item_id=msg_id, output_index=len(items) - 1,
+                    content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+
+    def close_open() -> Iterator[str]:
+        if not items or items[-1]["status"] != "in_progress":
+            return
+        index, item = len(items) - 1, items[-1]
+        if item["type"] == "message":
+            whole = "".join(text)
+            yield event("response.output_text.done", seq, item_id=msg_id, output_index=index, content_index=0,
+                        text=whole, logprobs=[])
+            part = {"type": "output_text", "text": whole, "annotations": [], "logprobs": []}
+            yield event("response.content_part.done", seq, item_id=msg_id, output_index=index, content_index=0,
+                        part=part)
+            items[-1] = message_item(job, whole)
+        else:
+            yield event("response.function_call_arguments.done", seq, item_id=item["id"], output_index=index,
+                        name=item["name"], arguments=item["arguments"])
+            items[-1] = {**item, "status": "completed"}
+        yield event("response.output_item.done", seq, output_index=index, item=items[-1])
+
+    def delta(piece: Delta) -> Iterator[str]:
+        if piece.index is None:
+            if piece.content:
+                yield from open_message()
+                text.append(piece.content)
+                yield event("response.output_text.delta", seq, item_id=msg_id, output_index=len(items) - 1,
+                            content_index=0, delta=piece.content, logprobs=[])
+            return
+        if piece.id is not None:   # a call begins
+            yield from close_open()
+            item = call_item({"id": piece.id, "function": {"name": piece.name or "", "arguments": ""}},
+                             "in_progress")
+            items.append(item)
+            calls[piece.index] = item
+            yield event("response.output_item.added", seq, output_index=len(items) - 1, item=item)
+        if piece.arguments:
+            item = items[-1]
+            item["arguments"] += piece.arguments
+            yield event("response.function_call_arguments.delta", seq, item_id=item["id"],
+                        output_index=len(items) - 1, delta=piece.arguments)
+
+    def body() -> Iterator[str]:
+        yield event("response.created", seq, response=envelope(job, shape, "in_progress", []))
+        yield event("response.in_progress", seq, response=envelope(job, shape, "in_progress", []))
+        for ev in events:
+            if ev["event"] == "waiting":
+                yield KEEP_ALIVE
+            elif ev["event"] == "token" and ev.get("index", 0) == 0:
+                pieces = parser.feed(ev["text"]) if parser else [Delta(content=ev["text"])]
+                for piece in pieces:
+                    yield from delta(piece)
+            elif ev["event"] == "done":
+                for piece in parser.finish() if parser else []:
+                    yield from delta(piece)
+                yield from close_open()
+                final = response(job, shape, ev)
+                kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+                yield event(kind, seq, response=final)
+                return True
+            elif ev["event"] != "token":   # an error
+                yield event("error", seq, code=ev["code"], message=ev["message"], param=None)
+                return True
+        return False
+
+    def stream() -> Iterator[str]:
+        ended = False
+        try:
+            ended = yield from body()
+            if not ended:
+                yield event("error", seq, code="timeout", message="The answer stopped arriving; send the request "
+                                                                  "again.", param=None)
+        finally:
+            if not ended:
+                queue.cancel(job["request_id"])
+
+    return stream()
+

@@ -80,6 +80,8 @@ class Job:
             # Never acked as done: the request is answered again (or its stored answer shown) once both are back.
             log.warning("handing %s back to the queue: %s", self.request_id, exc)
             raise Reject(str(exc), requeue=True) from exc
+        except Reject:   # handed back (the shutdown's grace period ended)
+            raise
         except Exception as exc:   # a fault of this worker's: the client is told, and the request has its record
             log.exception("could not answer %s", self.request_id)
             try:

@@ -121,3 +121,12 @@ def test_what_cannot_be_honoured_is_refused_naming_the_field(stack, fields, code
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert (error["code"], error["param"]) == (code, param), error
+
+
+def test_no_response_is_kept_so_retrieving_one_says_so(client):
+    reply = client.responses.create(model="any", input=QUESTION, max_output_tokens=2)
+    with pytest.raises(openai.NotFoundError, match="keeps no responses") as missing:
+        client.responses.retrieve(reply.id)
+    assert missing.value.code == "not_found"
+    with pytest.raises(openai.NotFoundError, match="keeps no responses"):
+        client.responses.delete(reply.id)

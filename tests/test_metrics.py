@@ -177,6 +177,7 @@ def test_any_web_app_serves_what_the_workers_published(tmp_path, redis_url):
     # Refused API calls are counted by outcome, in Redis, whichever process answered them.
     apps[0].test_client().post("/v1/chat/completions", data="not json", content_type="text/plain")
     apps[1].test_client().post("/v1/chat/completions", json={"messages": []})
+    apps[1].test_client().post("/v1/responses", json={"input": []})   # the Responses API counts with them
     texts = [a.test_client().get("/metrics", headers={"Authorization": f"Bearer {TOKEN}"}).text for a in apps]
     assert texts[0] == texts[1]
     assert_one_type_line_per_family(texts[0])
@@ -186,6 +187,7 @@ def test_any_web_app_serves_what_the_workers_published(tmp_path, redis_url):
     assert value(fams, "supportbot_queue_depth") == 3
     assert value(fams, "supportbot_api_requests_total", outcome="invalid_json") == 1
     assert value(fams, "supportbot_api_requests_total", outcome="invalid_messages") == 1
+    assert value(fams, "supportbot_api_requests_total", outcome="invalid_value") == 1
     assert value(fams, "supportbot_worker_info", worker="w2", model="tiny") == 1
 
 

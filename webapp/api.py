@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API: /v1/chat/completions and /v1/completions (plain or server-sent events), /v1/models."""
+"""OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions and /v1/responses (plain or server-sent events),
+/v1/models."""
 
 from __future__ import annotations
 
@@ -238,6 +239,14 @@ def chat_completions():
 @bp.post("/responses")
 def responses():
     return answer(protocol.ResponsesRequest, read_responses, api_responses.response, api_responses.response_stream)
+
+
+@bp.route("/responses/<path:response_id>", methods=["GET", "POST", "DELETE"])
+def kept_response(response_id: str):
+    """OpenAI's stored-response calls (retrieve, delete, cancel, input_items): nothing is kept here for them."""
+    return error_response(UserError("not_found", "This server keeps no responses, so none can be retrieved, "
+                                                 "deleted or cancelled; keep the answer you were sent, and send the "
+                                                 "whole conversation in 'input'.", param="response_id", status=404))
 
 
 @bp.post("/completions")

@@ -168,6 +168,33 @@ def test_a_silent_stream_keeps_alive_then_ends_with_an_error_and_its_answer_is_c
     wait_for(cancelled, 60, "the cancelled record")   # a client's retry will not find it still running
 
 
+def test_a_silent_responses_stream_keeps_alive_then_ends_with_an_error_event(own_stack, own_db):
+    """The Responses API's stream over the same waits: keep-alive comments, then a typed `error` event (no [DONE],
+    which that API does not send), and the answer is cancelled."""
+    stack, db = own_stack, own_db
+    url = stack.web_with(MAX_NEW_TOKENS="2000", API_ANSWER_TIMEOUT_S="3", API_KEEPALIVE_S="0.5")
+    body = {"input": MESSAGES[1]["content"], "instructions": MESSAGES[0]["content"], "temperature": 0,
+            "max_output_tokens": 2000, "stream": True}
+    with requests.post(url + "/v1/responses", json=body, stream=True, timeout=60) as response:
+        lines = response.iter_lines()
+        created = json.loads(next(line for line in lines if line.startswith(b"data: "))[6:])
+        assert created["type"] == "response.created"
+        next(line for line in lines if line == b"event: response.output_text.delta")   # the worker has started
+        with worker_paused(stack):
+            rest = [line for line in lines if line]
+    assert b": keep-alive" in rest and b"data: [DONE]" not in rest
+    assert rest[-2] == b"event: error"
+    error = json.loads(rest[-1][6:])
+    assert error["type"] == "error" and error["code"] == "timeout" and "send the request again" in error["message"]
+    request_id = created["response"]["id"].removeprefix("resp_")
+
+    def cancelled() -> bool:
+        with db() as s:
+            return s.get(RequestRecord, request_id).finish_reason == "cancelled"
+
+    wait_for(cancelled, 60, "the cancelled record")
+
+
 def test_time_in_the_queue_does_not_count_against_the_answer_timeout(own_stack):
     stack = own_stack
     url = stack.web_with(API_ANSWER_TIMEOUT_S="3")

@@ -31,7 +31,7 @@ def test_a_response_answers_as_the_chat_completion_it_stands_for(client):
     assert reply.output_text == chat.choices[0].message.content
     assert reply.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
     if reply.status == "incomplete":
-        assert reply.incomplete_details.reason == "max_output_tokens"
+        assert reply.incomplete_details.reason == "max_output_tokens" and reply.output[-1].status == "incomplete"
     assert (reply.usage.input_tokens, reply.usage.output_tokens) == (chat.usage.prompt_tokens,
                                                                      chat.usage.completion_tokens)
     assert reply.instructions == "You answer questions about orders." and reply.max_output_tokens == 12
@@ -56,6 +56,8 @@ def test_a_streamed_response_sends_the_typed_events_in_order(client):
     assert text == whole.output_text == events[-4].text
     final = events[-1].response
     assert final.output_text == text and final.usage.output_tokens == whole.usage.output_tokens
+    assert events[-2].item.status == final.output[0].status == ("incomplete" if whole.status == "incomplete"
+                                                                else "completed")
     assert {e.item_id for e in events if e.type == "response.output_text.delta"} == {final.output[0].id}
 
 

@@ -211,6 +211,8 @@ def response(job: dict, shape: Shape, done: dict) -> dict:
     output = [message_item(job, message["content"])] if message.get("content") else []
     output += [call_item(call) for call in message.get("tool_calls") or []]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    if status == "incomplete" and output:   # the item being written when the answer was cut
+        output[-1]["status"] = "incomplete"
     return envelope(job, shape, status, output, done)
 
 
@@ -239,7 +241,7 @@ def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator
         yield event("response.content_part.added", seq, item_id=msg_id, output_index=len(items) - 1,
                     content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
 
-    def close_open() -> Iterator[str]:
+    def close_open(status: str = "completed") -> Iterator[str]:
         if not items or items[-1]["status"] != "in_progress":
             return
         index, item = len(items) - 1, items[-1]
@@ -250,11 +252,11 @@ def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator
             part = {"type": "output_text", "text": whole, "annotations": [], "logprobs": []}
             yield event("response.content_part.done", seq, item_id=msg_id, output_index=index, content_index=0,
                         part=part)
-            items[-1] = message_item(job, whole)
+            items[-1] = message_item(job, whole, status)
         else:
             yield event("response.function_call_arguments.done", seq, item_id=item["id"], output_index=index,
                         name=item["name"], arguments=item["arguments"])
-            items[-1] = {**item, "status": "completed"}
+            items[-1] = {**item, "status": status}
         yield event("response.output_item.done", seq, output_index=index, item=items[-1])
 
     def delta(piece: Delta) -> Iterator[str]:
@@ -291,8 +293,8 @@ def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator
             elif ev["event"] == "done":
                 for piece in parser.finish() if parser else []:
                     yield from delta(piece)
-                yield from close_open()
                 final = response(job, shape, ev)
+                yield from close_open(final["output"][-1]["status"] if final["output"] else "completed")
                 kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
                 yield event(kind, seq, response=final)
                 return True

@@ -10,8 +10,8 @@ from typing import Any
 
 from structured.tools import Delta, StreamParser
 
-from . import api_answers, queue
-from .api_answers import KEEP_ALIVE, Shape, call_scope
+from . import queue
+from .api_answers import KEEP_ALIVE, Shape, call_scope, choices_of
 from .queue import UserError
 
 # Fields a Responses request may carry that this server cannot honour: a value other than these is refused, saying
@@ -176,20 +176,6 @@ def echoed(body: dict) -> dict:
 # ---- the answer ---------------------------------------------------------------------------------------
 
 
-def ids(job: dict) -> tuple[str, str]:
-    return f"resp_{job['request_id']}", f"msg_{job['request_id']}"
-
-
-def message_item(job: dict, text: str, status: str = "completed") -> dict:
-    return {"type": "message", "id": ids(job)[1], "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
-
-
-def call_item(call: dict, status: str = "completed") -> dict:
-    return {"type": "function_call", "id": f"fc_{call['id']}", "call_id": call["id"],
-            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": status}
-
-
 def usage(done: dict) -> dict:
     return {"input_tokens": done["prompt_tokens"], "input_tokens_details": {"cached_tokens": 0},
             "output_tokens": done["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
@@ -197,109 +183,148 @@ def usage(done: dict) -> dict:
 
 
 def envelope(job: dict, shape: Shape, status: str, output: list[dict], done: dict | None = None) -> dict:
-    return {"id": ids(job)[0], "object": "response", "created_at": int(job["enqueued_at"]), "status": status,
-            "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+    return {"id": f"resp_{job['request_id']}", "object": "response", "created_at": int(job["enqueued_at"]),
+            "status": status, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "model": shape.model, "output": output, **(shape.response or {}),
             "usage": usage(done) if done is not None else None}
 
 
+def text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class Output:
+    """An answer's output items as its pieces arrive (structured.tools.Delta): a message item for each run of
+    text, a function_call item for each call, in the order the model wrote them. Each change comes back as the
+    Responses API's stream events, (type, fields); a whole answer reads the items only."""
+
+    def __init__(self, job: dict) -> None:
+        self.request_id = job["request_id"]
+        self.items: list[dict] = []
+        self.text: list[str] = []   # the open message's text
+        self.messages = 0
+
+    def _open(self) -> bool:
+        return bool(self.items) and self.items[-1]["status"] == "in_progress"
+
+    def feed(self, piece: Delta) -> list[tuple[str, dict]]:
+        events: list[tuple[str, dict]] = []
+        if piece.index is None:
+            if not piece.content:
+                return events
+            if not (self._open() and self.items[-1]["type"] == "message"):
+                events += self.close()
+                self.messages += 1
+                suffix = "" if self.messages == 1 else f"_{self.messages}"
+                item = {"type": "message", "id": f"msg_{self.request_id}{suffix}", "status": "in_progress",
+                        "role": "assistant", "content": []}
+                self.items.append(item)
+                self.text = []
+                events += [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}),
+                           ("response.content_part.added", {"item_id": item["id"], "output_index": len(self.items) - 1,
+                                                            "content_index": 0, "part": text_part("")})]
+            self.text.append(piece.content)
+            events.append(("response.output_text.delta", {"item_id": self.items[-1]["id"],
+                                                          "output_index": len(self.items) - 1, "content_index": 0,
+                                                          "delta": piece.content, "logprobs": []}))
+            return events
+        if piece.id is not None:   # a call begins
+            events += self.close()
+            item = {"type": "function_call", "id": f"fc_{piece.id}", "call_id": piece.id, "name": piece.name or "",
+                    "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            events.append(("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}))
+        if piece.arguments:
+            item = self.items[-1]
+            item["arguments"] += piece.arguments
+            events.append(("response.function_call_arguments.delta", {"item_id": item["id"],
+                                                                      "output_index": len(self.items) - 1,
+                                                                      "delta": piece.arguments}))
+        return events
+
+    def close(self, status: str = "completed") -> list[tuple[str, dict]]:
+        """End the item being written: `completed`, or `incomplete` when the answer was cut in it."""
+        if not self._open():
+            return []
+        index, item = len(self.items) - 1, self.items[-1]
+        events: list[tuple[str, dict]] = []
+        if item["type"] == "message":
+            whole = "".join(self.text)
+            events += [("response.output_text.done", {"item_id": item["id"], "output_index": index,
+                                                      "content_index": 0, "text": whole, "logprobs": []}),
+                       ("response.content_part.done", {"item_id": item["id"], "output_index": index,
+                                                       "content_index": 0, "part": text_part(whole)})]
+            item.update(content=[text_part(whole)], status=status)
+        else:
+            events.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
+                                                                     "name": item["name"],
+                                                                     "arguments": item["arguments"]}))
+            item["status"] = status
+        events.append(("response.output_item.done", {"output_index": index, "item": dict(item)}))
+        return events
+
+
+def pieces(parser: StreamParser | None, text: str) -> list[Delta]:
+    return parser.feed(text) if parser is not None else [Delta(content=text)] if text else []
+
+
+def finished(output: Output, parser: StreamParser | None, job: dict, shape: Shape,
+             done: dict) -> tuple[list[tuple[str, dict]], dict]:
+    """The last events of an answer (its parser's held-back text, the item being written closed) and its
+    Response."""
+    events = [e for piece in (parser.finish() if parser is not None else []) for e in output.feed(piece)]
+    cut = choices_of(done)[0]["finish_reason"] == "length"
+    events += output.close("incomplete" if cut else "completed")
+    return events, envelope(job, shape, "incomplete" if cut else "completed", output.items, done)
+
+
+def parser_for(job: dict, shape: Shape) -> StreamParser | None:
+    return StreamParser(call_scope(job, 0), shape.forced) if shape.tools else None
+
+
 def response(job: dict, shape: Shape, done: dict) -> dict:
-    """The whole answer as a Response: the assistant's text (if any), then its function calls."""
-    chat = api_answers.chat_completion(job, shape, done)
-    choice = chat["choices"][0]
-    message = choice["message"]
-    output = [message_item(job, message["content"])] if message.get("content") else []
-    output += [call_item(call) for call in message.get("tool_calls") or []]
-    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
-    if status == "incomplete" and output:   # the item being written when the answer was cut
-        output[-1]["status"] = "incomplete"
-    return envelope(job, shape, status, output, done)
-
-
-def event(kind: str, seq: list[int], **fields: Any) -> str:
-    seq[0] += 1
-    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq[0] - 1, **fields})}\n\n"
+    """The whole answer as a Response: its text and calls as items, in the order the model wrote them (as a
+    stream of the same answer gives them)."""
+    output, parser = Output(job), parser_for(job, shape)
+    for piece in pieces(parser, choices_of(done)[0]["text"]):
+        output.feed(piece)
+    return finished(output, parser, job, shape, done)[1]
 
 
 def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
-    """The answer as the Responses API streams it: response.created, then for the text a message item whose text
-    arrives in output_text deltas, for each call a function_call item whose arguments arrive in deltas, and
-    response.completed (or response.incomplete) with the whole Response."""
-    seq = [0]
-    msg_id = ids(job)[1]
-    parser = StreamParser(call_scope(job, 0), shape.forced) if shape.tools else None
-    items: list[dict] = []          # output items opened so far, in order
-    text: list[str] = []            # the open message's text
-    calls: dict[int, dict] = {}     # call index -> its item
+    """The answer as the Responses API streams it: response.created, then for each run of text a message item
+    whose text arrives in output_text deltas, for each call a function_call item whose arguments arrive in
+    deltas, and response.completed (or response.incomplete) with the whole Response."""
+    seq = 0
 
-    def open_message() -> Iterator[str]:
-        if items and items[-1]["type"] == "message" and items[-1]["status"] == "in_progress":
-            return
-        item = {**message_item(job, "", "in_progress"), "content": []}
-        items.append(item)
-        yield event("response.output_item.added", seq, output_index=len(items) - 1, item=item)
-        yield event("response.content_part.added", seq, item_id=msg_id, output_index=len(items) - 1,
-                    content_index=0, part={"type": "output_text", "text": "", "annotations": [], "logprobs": []})
+    def event(kind: str, fields: dict) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **fields})}\n\n"
 
-    def close_open(status: str = "completed") -> Iterator[str]:
-        if not items or items[-1]["status"] != "in_progress":
-            return
-        index, item = len(items) - 1, items[-1]
-        if item["type"] == "message":
-            whole = "".join(text)
-            yield event("response.output_text.done", seq, item_id=msg_id, output_index=index, content_index=0,
-                        text=whole, logprobs=[])
-            part = {"type": "output_text", "text": whole, "annotations": [], "logprobs": []}
-            yield event("response.content_part.done", seq, item_id=msg_id, output_index=index, content_index=0,
-                        part=part)
-            items[-1] = message_item(job, whole, status)
-        else:
-            yield event("response.function_call_arguments.done", seq, item_id=item["id"], output_index=index,
-                        name=item["name"], arguments=item["arguments"])
-            items[-1] = {**item, "status": status}
-        yield event("response.output_item.done", seq, output_index=index, item=items[-1])
-
-    def delta(piece: Delta) -> Iterator[str]:
-        if piece.index is None:
-            if piece.content:
-                yield from open_message()
-                text.append(piece.content)
-                yield event("response.output_text.delta", seq, item_id=msg_id, output_index=len(items) - 1,
-                            content_index=0, delta=piece.content, logprobs=[])
-            return
-        if piece.id is not None:   # a call begins
-            yield from close_open()
-            item = call_item({"id": piece.id, "function": {"name": piece.name or "", "arguments": ""}},
-                             "in_progress")
-            items.append(item)
-            calls[piece.index] = item
-            yield event("response.output_item.added", seq, output_index=len(items) - 1, item=item)
-        if piece.arguments:
-            item = items[-1]
-            item["arguments"] += piece.arguments
-            yield event("response.function_call_arguments.delta", seq, item_id=item["id"],
-                        output_index=len(items) - 1, delta=piece.arguments)
+    output, parser = Output(job), parser_for(job, shape)
 
     def body() -> Iterator[str]:
-        yield event("response.created", seq, response=envelope(job, shape, "in_progress", []))
-        yield event("response.in_progress", seq, response=envelope(job, shape, "in_progress", []))
+        for kind in ("response.created", "response.in_progress"):
+            yield event(kind, {"response": envelope(job, shape, "in_progress", [])})
         for ev in events:
             if ev["event"] == "waiting":
                 yield KEEP_ALIVE
-            elif ev["event"] == "token" and ev.get("index", 0) == 0:
-                pieces = parser.feed(ev["text"]) if parser else [Delta(content=ev["text"])]
-                for piece in pieces:
-                    yield from delta(piece)
+            elif ev["event"] == "token":
+                if ev.get("index", 0) == 0:
+                    for piece in pieces(parser, ev["text"]):
+                        for kind, fields in output.feed(piece):
+                            yield event(kind, fields)
             elif ev["event"] == "done":
-                for piece in parser.finish() if parser else []:
-                    yield from delta(piece)
-                final = response(job, shape, ev)
-                yield from close_open(final["output"][-1]["status"] if final["output"] else "completed")
-                kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-                yield event(kind, seq, response=final)
+                last, final = finished(output, parser, job, shape, ev)
+                for kind, fields in last:
+                    yield event(kind, fields)
+                yield event("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                            {"response": final})
                 return True
-            elif ev["event"] != "token":   # an error
-                yield event("error", seq, code=ev["code"], message=ev["message"], param=None)
+            else:   # an error
+                yield event("error", {"code": ev["code"], "message": ev["message"], "param": None})
                 return True
         return False
 
@@ -308,11 +333,10 @@ def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator
         try:
             ended = yield from body()
             if not ended:
-                yield event("error", seq, code="timeout", message="The answer stopped arriving; send the request "
-                                                                  "again.", param=None)
+                yield event("error", {"code": "timeout", "param": None,
+                                      "message": "The answer stopped arriving; send the request again."})
         finally:
             if not ended:
                 queue.cancel(job["request_id"])
 
     return stream()
-

@@ -10,7 +10,10 @@ import openai
 import pytest
 import requests
 
+from structured.tools import StreamParser
 from tests.test_api_parity import LOOKUP
+from webapp.api_answers import Shape
+from webapp.api_responses import Output, response
 
 QUESTION = "Can I change the delivery address of order 1234?"
 FUNCTION = {"type": "function", "name": LOOKUP["function"]["name"], "description": LOOKUP["function"]["description"],
@@ -132,3 +135,29 @@ def test_no_response_is_kept_so_retrieving_one_says_so(client):
     assert missing.value.code == "not_found"
     with pytest.raises(openai.NotFoundError, match="keeps no responses"):
         client.responses.delete(reply.id)
+
+
+def test_text_and_calls_come_out_as_items_in_the_order_written_whole_and_streamed():
+    job = {"request_id": "r1", "enqueued_at": 0.0}
+    text = ('Let me look. <tool_call>\n{"name": "lookup_order", "arguments": {"order_id": 7}}\n</tool_call>'
+            " Then I will tell you.")
+    done = {"choices": [{"index": 0, "text": text, "finish_reason": "stop", "completion_tokens": 30}],
+            "prompt_tokens": 5, "completion_tokens": 30}
+    whole = response(job, Shape("m", tools=True), done)
+    assert [(i["type"], i["id"], i["status"]) for i in whole["output"]] == [
+        ("message", "msg_r1", "completed"), ("function_call", whole["output"][1]["id"], "completed"),
+        ("message", "msg_r1_2", "completed")]
+    assert whole["output"][0]["content"][0]["text"] == "Let me look."
+    assert whole["output"][1]["arguments"] == '{"order_id": 7}'
+    # Streamed a few characters at a time, the same items, each added once and done once.
+    output, parser, events = Output(job), StreamParser("r1"), []
+    for k in range(0, len(text), 3):
+        for piece in parser.feed(text[k:k + 3]):
+            events += output.feed(piece)
+    for piece in parser.finish():
+        events += output.feed(piece)
+    events += output.close()
+    assert output.items == whole["output"]
+    added = [f["item"]["id"] for kind, f in events if kind == "response.output_item.added"]
+    assert added == [f["item"]["id"] for kind, f in events if kind == "response.output_item.done"] == \
+        [i["id"] for i in whole["output"]]

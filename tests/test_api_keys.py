@@ -203,6 +203,8 @@ def test_once_a_key_exists_every_v1_request_needs_it(make_app, sessions):
     # Unknown routes and bodies are refused before they are read: nothing about the API is told.
     assert_refused(client.post("/v1/chat/completions", data="not json"))
     assert_refused(client.get("/v1/nowhere"))
+    assert_refused(client.post("/tokenize", json={"prompt": "hi"}), "You didn't provide")   # vLLM's, keyed too
+    assert_refused(client.post("/detokenize", json={"tokens": [1]}), "You didn't provide")
     for k in (key, other):
         assert client.get("/v1/models", headers=bearer(k)).status_code == 200
     assert client.get("/healthz").status_code == 200, "only /v1 needs a key"

@@ -32,6 +32,7 @@ REFRESH_S = 2.0
 # wrote it this recently): a busy key costs one small UPDATE a minute, not one per request.
 TOUCH_S = 60.0
 CREATE_HINT = "python -m webapp.keys create NAME"
+KEYED_PATHS = ("/v1", "/tokenize", "/detokenize")   # and everything under /v1/
 
 
 @dataclass(frozen=True)
@@ -145,9 +146,10 @@ def refuse(message: str):
 
 
 def check_request():
-    """Before every request under /v1: None to go on, or the refusal (OpenAI's shape, so clients raise
-    AuthenticationError). The key that passed is `g.api_key`; None while no key exists (development)."""
-    if request.path != "/v1" and not request.path.startswith("/v1/"):
+    """Before every request under /v1 (and /tokenize, /detokenize): None to go on, or the refusal (OpenAI's shape,
+    so clients raise AuthenticationError). The key that passed is `g.api_key`; None while no key exists
+    (development)."""
+    if request.path not in KEYED_PATHS and not request.path.startswith("/v1/"):
         return None
     g.api_key = None
     ring: KeyRing = current_app.extensions["keyring"]

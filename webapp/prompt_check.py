@@ -32,22 +32,30 @@ class Model:
     form: PromptForm
     tokenizer: Tokenizer
 
-    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
-                    options: TemplateOptions | None = None) -> int:
-        """The prompt tokens of chat messages offering `tools`, rendered with `options`, as worker/prompts.py's
-        `render` makes them; chat_template.TemplateError when the template refuses them."""
+    def chat_ids(self, messages: list[dict], tools: list[dict] | None = None, options: TemplateOptions | None = None,
+                 add_special_tokens: bool = False) -> list[int]:
+        """The prompt ids of chat messages offering `tools`, rendered with `options`, as worker/prompts.py's
+        `render` makes them (`add_special_tokens`: the tokenizer's own on top of the template's, as vLLM's /tokenize
+        may ask); chat_template.TemplateError when the template refuses them."""
         chat, kwargs = shaped(messages, tools, self.form.tool_format)
         options = options or TemplateOptions()
         text = chat_template.render(self.form.template, chat, self.form.special_tokens, tools=kwargs.get("tools"),
                                     add_generation_prompt=options.add_generation_prompt,
                                     continue_final_message=options.continue_final_message, extra=options.kwargs)
-        return len(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def chat_tokens(self, messages: list[dict], tools: list[dict] | None = None,
+                    options: TemplateOptions | None = None) -> int:
+        return len(self.chat_ids(messages, tools, options))
+
+    def text_ids(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A text's ids, with the tokenizer's special tokens (its BOS, say) by default, as the worker tokenizes a
+        completion's prompt."""
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def completion_tokens(self, prompt: str | list[int]) -> int:
         """A completion prompt's tokens: its text tokenized as the worker does by default, or its ids."""
-        if isinstance(prompt, str):
-            return len(self.tokenizer.encode(prompt).ids)
-        return len(prompt)
+        return len(self.text_ids(prompt)) if isinstance(prompt, str) else len(prompt)
 
 
 _models: dict[str, Model | None] = {}   # form digest -> its Model; None: it cannot be loaded here (said once)

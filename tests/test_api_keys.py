@@ -207,6 +207,10 @@ def test_once_a_key_exists_every_v1_request_needs_it(make_app, sessions):
     assert_refused(client.post("/detokenize", json={"tokens": [1]}), "You didn't provide")
     for k in (key, other):
         assert client.get("/v1/models", headers=bearer(k)).status_code == 200
+    assert client.get("/v1/models", headers={"X-Api-Key": key}).status_code == 200, "as Anthropic's clients send it"
+    refused = client.post("/v1/messages", json={"max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]})
+    assert refused.status_code == 401 and refused.json["type"] == "error", "in the Messages API's shape there"
+    assert refused.json["error"]["type"] == "authentication_error"
     assert client.get("/healthz").status_code == 200, "only /v1 needs a key"
 
     with sessions() as db:

@@ -28,7 +28,7 @@ def create_app(overrides: dict | None = None) -> Flask:
     stream = app.extensions["stream"] = StreamQueue(app.config["REDIS_URL"])
     socketio.init_app(app, client_manager=stream, async_mode=async_mode(), max_http_buffer_size=SOCKET_BUFFER_BYTES)
 
-    from . import api, auth, chat, dashboard, headers, health, keyring, limits, metrics, security, tokens
+    from . import api, api_messages, auth, chat, dashboard, headers, health, keyring, limits, metrics, security, tokens
     headers.init_app(app)   # first: every response, errors included, carries the request's id
     try:
         limits.init_app(app)
@@ -39,6 +39,7 @@ def create_app(overrides: dict | None = None) -> Flask:
     app.register_blueprint(chat.bp)
     keyring.init_app(app)   # before every /v1 request: its API key
     api.init_app(app)
+    api_messages.init_app(app)   # errors on /v1/messages in Anthropic's shape
     app.register_blueprint(tokens.bp)
     app.register_blueprint(health.bp)
     auth.init_app(app)

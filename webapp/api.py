@@ -19,7 +19,8 @@ from messaging.contract import MODEL_ENTRY_TTL_S, MODELS_KEY
 from messaging.generation import Generation
 from messaging.prompts import TemplateOptions
 
-from . import api_answers, api_batch, api_params, api_responses, headers, keyring, limits, prompt_check, protocol, queue
+from . import (api_answers, api_batch, api_messages, api_params, api_responses, headers, keyring, limits, prompt_check,
+               protocol, queue)
 from .disconnect import CLIENT_CHECK_S, ClientGone, final_event
 from .queue import UserError
 from .security import clean_text
@@ -241,6 +242,11 @@ def responses():
     return answer(protocol.ResponsesRequest, read_responses, api_responses.response, api_responses.response_stream)
 
 
+@bp.post("/messages")
+def messages():
+    return answer(protocol.MessagesRequest, read_messages, api_messages.answer, api_messages.answer_stream)
+
+
 @bp.route("/responses/<path:response_id>", methods=["GET", "POST", "DELETE"])
 def kept_response(response_id: str):
     """OpenAI's stored-response calls (retrieve, delete, cancel, input_items): nothing is kept here for them."""
@@ -366,6 +372,14 @@ def read_responses(body: dict, model: str, include_usage: bool) -> Request:
     return request._replace(shape=replace(request.shape, response=api_responses.echoed(body)))
 
 
+def read_messages(body: dict, model: str, include_usage: bool) -> Request:
+    """An Anthropic Messages API request read as the chat completion it asks for (webapp/api_messages.py)."""
+    try:
+        return read_chat(api_messages.chat_body(body, current_app.config["MAX_NEW_TOKENS"]), model, include_usage)
+    except UserError as exc:
+        raise api_messages.renamed(exc) from None
+
+
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:
     prompts = parse_prompts(body)
     echo = body.get("echo", False)
@@ -405,13 +419,16 @@ def take_request(schema: type[protocol.CommonRequest], read) -> Taken | tuple:
         body = read_json()
         typed = protocol.read(schema, body)
         stream = bool(typed.stream)
-        include_usage = typed.stream_options is not None and typed.stream_options.include_usage
+        options = getattr(typed, "stream_options", None)   # Anthropic's Messages API has none
+        include_usage = options is not None and options.include_usage
         model = typed.model
         if model is not None and len(model) > MAX_MODEL_CHARS:
             raise api_params.invalid("model", f"'model' must be a string of at most {MAX_MODEL_CHARS} characters.")
         request = read(body, model or served_models()[0], include_usage)
         check_prompt(request)
-        service_class = queue.served_class(keyring.service_class(body.get("service_tier")))
+        # Anthropic's service_tier values (auto, standard_only) are not OpenAI's: such a request takes its key's class.
+        tier = body.get("service_tier") if schema is not protocol.MessagesRequest else None
+        service_class = queue.served_class(keyring.service_class(tier))
         queue.check_room(service_class)
         generation = replace(request.generation, service_class=service_class)
         extra = {**request.extra, jobs.HTTP_REQUEST_ID: headers.request_id()}

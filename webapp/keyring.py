@@ -135,8 +135,11 @@ def mask(token: str) -> str:
 
 
 def bearer_token() -> str:
+    """The key a client sent: `Authorization: Bearer KEY`, or `x-api-key: KEY` as Anthropic's clients send it."""
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("X-Api-Key", "").strip()
 
 
 def refuse(message: str):

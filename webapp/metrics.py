@@ -25,8 +25,8 @@ API_OUTCOMES_KEY = "supportbot:webmetrics:api_requests"
 CHAT_OUTCOMES_KEY = "supportbot:webmetrics:chat_messages"
 CONNECTION_OUTCOMES_KEY = "supportbot:webmetrics:chat_connections"
 OUTCOME_COUNTERS = (
-    ("supportbot_api_requests", "POST /v1/chat/completions and /v1/responses answers by outcome: ok, or the error "
-                                "code.",
+    ("supportbot_api_requests", "POST /v1/chat/completions, /v1/responses and /v1/messages answers by outcome: ok, "
+                                "or the error code.",
      API_OUTCOMES_KEY),
     ("supportbot_chat_messages", "Socket.IO chat messages by outcome: accepted, or the error code sent back.",
      CHAT_OUTCOMES_KEY),
@@ -108,7 +108,7 @@ def count(key: str, outcome: str) -> None:
 
 
 def count_api_response(response: Response) -> Response:
-    if request.endpoint in ("api.chat_completions", "api.responses"):
+    if request.endpoint in ("api.chat_completions", "api.responses", "api.messages"):
         body = None if response.status_code == 200 or response.is_streamed else response.get_json(silent=True)
         count(API_OUTCOMES_KEY, api_outcome(response.status_code, body))
     return response

@@ -135,6 +135,30 @@ class ResponsesRequest(BaseModel):
     max_tool_calls: Any = None
 
 
+class MessagesRequest(BaseModel):
+    """POST /v1/messages (Anthropic's Messages API). Its messages, content blocks and tools are read further by
+    webapp/api_messages.py, which says what is wrong inside them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: StrictStr | None = None
+    max_tokens: StrictInt | None = None   # required by Anthropic; the chat's default here, as llama.cpp's server
+    messages: Any = None
+    system: Any = None
+    stop_sequences: list[StrictStr] | None = None
+    temperature: Number | None = None
+    top_p: Number | None = None
+    top_k: StrictInt | None = None
+    stream: StrictBool | None = None
+    tools: list[Any] | None = None
+    tool_choice: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: StrictStr | None = None   # Anthropic's (auto, standard_only): taken, no effect
+    output_config: dict[str, Any] | None = None   # its `format` (a JSON schema) holds the answer; `effort`: no effect
+    cache_control: Any = None               # taken, no effect: prefixes are cached whatever the marks
+    thinking: Any = None                    # refused unless {"type": "disabled"}
+
+
 def read(schema: type[CommonRequest], body: dict) -> CommonRequest:
     """The body as `schema`, or a UserError in OpenAI's shape naming the first field at fault."""
     try:

@@ -91,21 +91,29 @@ def _grammar(key: str) -> str:
         raise StructureError(f"The JSON schema is longer than {MAX_SCHEMA_BYTES // 1024} KiB; send a smaller one.")
     schema = {**schema, "x-guidance": {**COMPACT, **schema.get("x-guidance", {})}}
     lazy = _lazy(data["begin"], data["end"], data["repeat"], schema) if data.get("lazy") else None
-    try:
+
+    def make() -> str:
         if lazy is not None:
-            grammar = LLMatcher.grammar_from_lark(lazy)
-        elif not (data["begin"] or data["end"] or data["repeat"]):
-            grammar = LLMatcher.grammar_from_json_schema(schema)
-        else:
-            item = f"item: {json.dumps(data['begin'])} value {json.dumps(data['end'])}\n" if data["begin"] or \
-                data["end"] else "item: value\n"
-            start = f"start: item ({json.dumps(data['separator'])} item)*\n" if data["repeat"] else "start: item\n"
-            grammar = LLMatcher.grammar_from_lark(start + item + "value: %json " + json.dumps(schema))
+            return LLMatcher.grammar_from_lark(lazy)
+        if not (data["begin"] or data["end"] or data["repeat"]):
+            return LLMatcher.grammar_from_json_schema(schema)
+        item = f"item: {json.dumps(data['begin'])} value {json.dumps(data['end'])}\n" if data["begin"] or \
+            data["end"] else "item: value\n"
+        start = f"start: item ({json.dumps(data['separator'])} item)*\n" if data["repeat"] else "start: item\n"
+        return LLMatcher.grammar_from_lark(start + item + "value: %json " + json.dumps(schema))
+
+    return _checked(make, "JSON schema")
+
+
+def _checked(make, what: str) -> str:
+    """The grammar `make` returns, validated: StructureError saying why the `what` cannot be used otherwise."""
+    try:
+        grammar = make()
     except (TypeError, ValueError) as exc:
-        raise StructureError(f"The JSON schema cannot be used: {exc}") from None
+        raise StructureError(f"The {what} cannot be used: {exc}") from None
     error = LLMatcher.validate_grammar(grammar)
     if error:
-        raise StructureError(f"The JSON schema cannot be used: {_reason(error)}")
+        raise StructureError(f"The {what} cannot be used: {_reason(error)}")
     return grammar
 
 
@@ -117,20 +125,15 @@ def _text_grammar(key: str, data: dict[str, Any]) -> str:
     texts = data.get("choice")
     if texts is not None and (not texts or not all(isinstance(t, str) and t for t in texts)):
         raise StructureError("The choice must be a list of one or more non-empty texts.")
-    try:
+
+    def make() -> str:
         if data.get("regex") is not None:
-            grammar = LLMatcher.grammar_from_regex(data["regex"])
-        elif texts is not None:
-            grammar = LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(t, ensure_ascii=False)
-                                                                         for t in texts))
-        else:
-            grammar = LLMatcher.grammar_from_lark(data["lark"])
-    except (TypeError, ValueError) as exc:
-        raise StructureError(f"The {what} cannot be used: {exc}") from None
-    error = LLMatcher.validate_grammar(grammar)
-    if error:
-        raise StructureError(f"The {what} cannot be used: {_reason(error)}")
-    return grammar
+            return LLMatcher.grammar_from_regex(data["regex"])
+        if texts is not None:
+            return LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(t, ensure_ascii=False) for t in texts))
+        return LLMatcher.grammar_from_lark(data["lark"])
+
+    return _checked(make, what)
 
 
 def _lazy(begin: str, end: str, repeat: bool, schema: dict[str, Any]) -> str:

@@ -368,7 +368,7 @@ def read_responses(body: dict, model: str, include_usage: bool) -> Request:
     try:
         request = read_chat(api_responses.chat_body(body), model, include_usage)
     except UserError as exc:
-        raise api_responses.renamed(exc) from None
+        raise api_params.renamed(exc, api_responses.RENAMED) from None
     return request._replace(shape=replace(request.shape, response=api_responses.echoed(body)))
 
 
@@ -377,7 +377,7 @@ def read_messages(body: dict, model: str, include_usage: bool) -> Request:
     try:
         return read_chat(api_messages.chat_body(body, current_app.config["MAX_NEW_TOKENS"]), model, include_usage)
     except UserError as exc:
-        raise api_messages.renamed(exc) from None
+        raise api_params.renamed(exc, api_messages.RENAMED) from None
 
 
 def read_completion(body: dict, model: str, include_usage: bool) -> Request:

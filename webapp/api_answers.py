@@ -7,7 +7,7 @@ import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from structured.tools import StreamParser, parse
+from structured.tools import Delta, StreamParser, parse
 
 from . import queue
 
@@ -59,19 +59,37 @@ def error_event(event: dict) -> str:
     return f"data: {json.dumps({'error': {'message': event['message'], 'code': event['code']}})}\n\n"
 
 
-def streamed(job: dict, body: Callable[[], Iterator[str]]) -> Iterator[str]:
-    """A stream's chunks, ended by [DONE]; `body` returns True once the answer's end (or an error) was sent, and
-    a stream whose events stopped without one ends with an error chunk, never a bare [DONE]. A client that goes
-    away mid-answer frees its slot."""
+STOPPED_ARRIVING = "The answer stopped arriving; send the request again."
+
+
+def cancelling(job: dict, body: Callable[[], Iterator[str]], silent: Callable[[], str]) -> Iterator[str]:
+    """A stream's events from `body`, which returns True once the answer's end (or an error) was sent; a stream
+    whose events stopped without one ends with `silent()`. A client that goes away mid-answer frees its slot."""
     ended = False
     try:
         ended = yield from body()
         if not ended:
-            yield error_event({"code": "timeout", "message": "The answer stopped arriving; send the request again."})
-        yield "data: [DONE]\n\n"
+            yield silent()
     finally:
         if not ended:
             queue.cancel(job["request_id"])
+
+
+def streamed(job: dict, body: Callable[[], Iterator[str]]) -> Iterator[str]:
+    """A chat or completion stream's chunks, ended by [DONE]: never a bare [DONE] after a stream that stopped
+    without its end, which gets an error chunk first (`cancelling`)."""
+    yield from cancelling(job, body, lambda: error_event({"code": "timeout", "message": STOPPED_ARRIVING}))
+    yield "data: [DONE]\n\n"
+
+
+def parser_for(job: dict, shape: Shape) -> StreamParser | None:
+    """The reader of the first choice's tool calls, when the answer is read for them."""
+    return StreamParser(call_scope(job, 0), shape.forced) if shape.tools else None
+
+
+def pieces(parser: StreamParser | None, text: str) -> list[Delta]:
+    """A piece of answer text as text and call pieces (all text when no calls are read)."""
+    return parser.feed(text) if parser is not None else [Delta(content=text)] if text else []
 
 
 # ---- chat completions -----------------------------------------------------------------------------

@@ -11,22 +11,18 @@ from typing import Any
 
 from flask import Flask, Response, request
 
-from structured.tools import Delta, StreamParser
+from structured.tools import Delta
 
-from . import queue
-from .api_answers import KEEP_ALIVE, Shape, call_scope, choices_of
+from .api_answers import KEEP_ALIVE, STOPPED_ARRIVING, Shape, cancelling, choices_of, parser_for, pieces
+from .api_params import invalid
 from .queue import UserError
 
 PATH = "/v1/messages"
-# Chat-completion fields these become, for errors that name the chat's.
+# Chat-completion fields these become, for errors that name the chat's (api_params.renamed).
 RENAMED = {"stop": "stop_sequences", "response_format": "output_config"}
 # Anthropic's error types by HTTP status.
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
-
-
-def bad(param: str, message: str) -> UserError:
-    return UserError("invalid_value", message, param=param)
 
 
 def chat_body(body: dict, default_max_tokens: int) -> dict:
@@ -48,8 +44,8 @@ def chat_body(body: dict, default_max_tokens: int) -> dict:
         fmt = config.get("format") if isinstance(config, dict) else None
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-                raise bad("output_config", "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": "
-                                           "{...}}.")
+                raise invalid("output_config", "'output_config.format' must be {\"type\": \"json_schema\", \"schema\": "
+                                               "{...}}.")
             chat["response_format"] = {"type": "json_schema",
                                        "json_schema": {"name": "output", "schema": fmt["schema"]}}
     user = (body.get("metadata") or {}).get("user_id")
@@ -61,8 +57,8 @@ def chat_body(body: dict, default_max_tokens: int) -> dict:
     if choice is not None:
         kind = choice.get("type") if isinstance(choice, dict) else None
         if kind not in ("auto", "any", "tool", "none") or (kind == "tool" and not isinstance(choice.get("name"), str)):
-            raise bad("tool_choice", "'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": "
-                                     "\"none\"} or {\"type\": \"tool\", \"name\": ...}.")
+            raise invalid("tool_choice", "'tool_choice' must be {\"type\": \"auto\"}, {\"type\": \"any\"}, {\"type\": "
+                                         "\"none\"} or {\"type\": \"tool\", \"name\": ...}.")
         chat["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(kind) or \
             {"type": "function", "function": {"name": choice["name"]}}
         if choice.get("disable_parallel_tool_use") is not None:
@@ -75,13 +71,13 @@ def text_of(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise bad("messages", f"'{where}' must be a string or a list of content blocks.")
+        raise invalid("messages", f"'{where}' must be a string or a list of content blocks.")
     texts = []
     for k, block in enumerate(content):
         if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
             kind = block.get("type") if isinstance(block, dict) else None
-            raise bad("messages", f"'{where}[{k}]' must be a text block; got type {str(kind)[:40]!r} (only text, "
-                                  "tool_use and tool_result blocks are taken here).")
+            raise invalid("messages", f"'{where}[{k}]' must be a text block; got type {str(kind)[:40]!r} (only text, "
+                                      "tool_use and tool_result blocks are taken here).")
         texts.append(block["text"])
     return "".join(texts)
 
@@ -94,18 +90,18 @@ def messages_of(body: dict) -> list[dict]:
         out.append({"role": "system", "content": text_of(body["system"], "system")})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise bad("messages", "'messages' must be a non-empty list of {role, content} objects.")
+        raise invalid("messages", "'messages' must be a non-empty list of {role, content} objects.")
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
         role = message.get("role") if isinstance(message, dict) else None
         if role not in ("user", "assistant"):
-            raise bad("messages", f"'{where}.role' must be \"user\" or \"assistant\".")
+            raise invalid("messages", f"'{where}.role' must be \"user\" or \"assistant\".")
         content = message.get("content")
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
-            raise bad("messages", f"'{where}.content' must be a string or a list of content blocks.")
+            raise invalid("messages", f"'{where}.content' must be a string or a list of content blocks.")
         texts, calls = [], []
         for k, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
@@ -123,8 +119,8 @@ def messages_of(body: dict) -> list[dict]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue
             else:
-                raise bad("messages", f"'{where}.content[{k}]' must be a text block, a tool_use block (assistant) or "
-                                      f"a tool_result block (user); got type {str(kind)[:40]!r}.")
+                raise invalid("messages", f"'{where}.content[{k}]' must be a text block, a tool_use block "
+                                          f"(assistant) or a tool_result block (user); got type {str(kind)[:40]!r}.")
         if texts or calls:
             out.append({"role": role, "content": "".join(texts), **({"tool_calls": calls} if calls else {})})
     return out
@@ -133,7 +129,7 @@ def messages_of(body: dict) -> list[dict]:
 def tools_of(tools: Any) -> list[dict]:
     """Client tools in the chat's form; Anthropic's server tools (web search, code execution, ...) are refused."""
     if not isinstance(tools, list):
-        raise bad("tools", "'tools' must be a list of tools.")
+        raise invalid("tools", "'tools' must be a list of tools.")
     out = []
     for k, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type", "custom") != "custom":
@@ -145,15 +141,6 @@ def tools_of(tools: Any) -> list[dict]:
             "name": tool.get("name"), "description": tool.get("description", ""),
             "parameters": tool.get("input_schema") or {"type": "object"}}})
     return out
-
-
-def renamed(exc: UserError) -> UserError:
-    """A chat field's error in the Messages request's words."""
-    head = (exc.param or "").split(".")[0]
-    if head not in RENAMED:
-        return exc
-    return UserError(exc.code, exc.message.replace(f"'{head}'", f"'{RENAMED[head]}'"), exc.retryable, exc.status,
-                     RENAMED[head] + (exc.param or "")[len(head):], exc.retry_after)
 
 
 # ---- the answer ---------------------------------------------------------------------------------------
@@ -208,14 +195,6 @@ class Blocks:
             except ValueError:   # cut short by max_tokens
                 block["input"] = {}
         return [("content_block_stop", {"index": len(self.blocks) - 1})]
-
-
-def parser_for(job: dict, shape: Shape) -> StreamParser | None:
-    return StreamParser(call_scope(job, 0), shape.forced) if shape.tools else None
-
-
-def pieces(parser: StreamParser | None, text: str) -> list[Delta]:
-    return parser.feed(text) if parser is not None else [Delta(content=text)] if text else []
 
 
 def stop_reason(blocks: Blocks, done: dict) -> str:
@@ -278,18 +257,8 @@ def answer_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[s
                 return True
         return False
 
-    def stream() -> Iterator[str]:
-        ended = False
-        try:
-            ended = yield from body()
-            if not ended:
-                yield event("error", {"error": {"type": "overloaded_error",
-                                                "message": "The answer stopped arriving; send the request again."}})
-        finally:
-            if not ended:
-                queue.cancel(job["request_id"])
-
-    return stream()
+    return cancelling(job, body, lambda: event("error", {"error": {"type": "overloaded_error",
+                                                                   "message": STOPPED_ARRIVING}}))
 
 
 def anthropic_errors(response: Response) -> Response:

@@ -24,6 +24,17 @@ def invalid(param: str, message: str) -> UserError:
     return UserError("invalid_value", message, param=param)
 
 
+def renamed(exc: UserError, names: dict[str, str]) -> UserError:
+    """An error about a chat-completion field in the words of the request it was translated from (`names`: chat
+    field -> that request's field), for the APIs read as a chat completion."""
+    param = exc.param or ""
+    head = param.split(".")[0]
+    if head not in names:
+        return exc
+    return UserError(exc.code, exc.message.replace(f"'{head}'", f"'{names[head]}'"), exc.retryable, exc.status,
+                     names[head] + param[len(head):], exc.retry_after)
+
+
 def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1, logprobs: int | None = None,
              score_prompt: bool = False) -> Generation:
     """The generation every endpoint shares, read from the body and checked against messaging/generation.py's

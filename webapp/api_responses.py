@@ -10,8 +10,8 @@ from typing import Any
 
 from structured.tools import Delta, StreamParser
 
-from . import queue
-from .api_answers import KEEP_ALIVE, Shape, call_scope, choices_of
+from .api_answers import KEEP_ALIVE, STOPPED_ARRIVING, Shape, cancelling, choices_of, parser_for, pieces
+from .api_params import invalid
 from .queue import UserError
 
 # Fields a Responses request may carry that this server cannot honour: a value other than these is refused, saying
@@ -26,13 +26,9 @@ UNSUPPORTED = {
     "top_logprobs": ((None, 0), "use /v1/chat/completions with logprobs for log-probabilities"),
     "max_tool_calls": ((None,), "tool calls are not capped here; leave it out"),
 }
-# Chat-completion fields the Responses fields become, for errors that name the chat's.
+# Chat-completion fields the Responses fields become, for errors that name the chat's (api_params.renamed).
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 ROLES = ("user", "system", "developer", "assistant")
-
-
-def bad(param: str, message: str) -> UserError:
-    return UserError("invalid_value", message, param=param)
 
 
 def chat_body(body: dict) -> dict:
@@ -41,7 +37,7 @@ def chat_body(body: dict) -> dict:
         if body.get(name) not in neutral:
             raise UserError("unsupported_parameter", f"'{name}' is not supported by this server: {why}.", param=name)
     if body.get("truncation") not in (None, "auto", "disabled"):
-        raise bad("truncation", "'truncation' must be \"auto\" or \"disabled\".")
+        raise invalid("truncation", "'truncation' must be \"auto\" or \"disabled\".")
     chat: dict[str, Any] = {"messages": messages_of(body)}
     for source, target in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("parallel_tool_calls", "parallel_tool_calls"), ("stream", "stream"),
@@ -55,12 +51,12 @@ def chat_body(body: dict) -> dict:
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
-            raise bad("text", "'text' must be an object like {\"format\": {\"type\": \"json_schema\", ...}}.")
+            raise invalid("text", "'text' must be an object like {\"format\": {\"type\": \"json_schema\", ...}}.")
         fmt = text.get("format")
         if fmt is not None:
             if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-                raise bad("text.format", "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                                         "{\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}.")
+                raise invalid("text.format", "'text.format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} "
+                                             "or {\"type\": \"json_schema\", \"name\": ..., \"schema\": {...}}.")
             if fmt["type"] == "json_schema":
                 chat["response_format"] = {"type": "json_schema", "json_schema": {
                     k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}}
@@ -78,11 +74,11 @@ def text_of(content: Any, where: str) -> str:
         for k, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind not in ("input_text", "output_text", "text") or not isinstance(part.get("text"), str):
-                raise bad("input", f"'{where}.content[{k}]' must be a text part ({{\"type\": \"input_text\", "
-                                   f"\"text\": ...}}); got type {str(kind)[:40]!r} (only text is taken here).")
+                raise invalid("input", f"'{where}.content[{k}]' must be a text part ({{\"type\": \"input_text\", "
+                                       f"\"text\": ...}}); got type {str(kind)[:40]!r} (only text is taken here).")
             texts.append(part["text"])
         return "".join(texts)
-    raise bad("input", f"'{where}.content' must be a string or a list of text parts.")
+    raise invalid("input", f"'{where}.content' must be a string or a list of text parts.")
 
 
 def messages_of(body: dict) -> list[dict]:
@@ -92,14 +88,14 @@ def messages_of(body: dict) -> list[dict]:
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
-            raise bad("instructions", "'instructions' must be a string.")
+            raise invalid("instructions", "'instructions' must be a string.")
         out.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
         return [*out, {"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
-        raise bad("input", "'input' must be a string or a non-empty list of input items (messages, function calls "
-                           "and their outputs).")
+        raise invalid("input", "'input' must be a string or a non-empty list of input items (messages, function calls "
+                               "and their outputs).")
     for i, item in enumerate(items):
         where = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
@@ -107,7 +103,7 @@ def messages_of(body: dict) -> list[dict]:
             out.append({"role": item["role"], "content": text_of(item.get("content"), where)})
         elif kind == "function_call":
             if not all(isinstance(item.get(k), str) for k in ("call_id", "name", "arguments")):
-                raise bad("input", f"'{where}' must have string 'call_id', 'name' and 'arguments'.")
+                raise invalid("input", f"'{where}' must have string 'call_id', 'name' and 'arguments'.")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
             last = out[-1] if out else None
@@ -117,21 +113,21 @@ def messages_of(body: dict) -> list[dict]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
-                raise bad("input", f"'{where}.call_id' must be a string.")
+                raise invalid("input", f"'{where}.call_id' must be a string.")
             out.append({"role": "tool", "tool_call_id": item["call_id"], "content": text_of(item.get("output"),
                                                                                             where)})
         elif kind == "reasoning":
             continue
         else:
-            raise bad("input", f"'{where}' must be a message (role user, system, developer or assistant), a "
-                               f"function_call or a function_call_output; got type {str(kind)[:40]!r}.")
+            raise invalid("input", f"'{where}' must be a message (role user, system, developer or assistant), a "
+                                   f"function_call or a function_call_output; got type {str(kind)[:40]!r}.")
     return out
 
 
 def tools_of(tools: Any) -> list[dict]:
     """Function tools in the chat's form; other kinds (web search, file search, ...) are refused."""
     if not isinstance(tools, list):
-        raise bad("tools", "'tools' must be a list of function tools.")
+        raise invalid("tools", "'tools' must be a list of function tools.")
     out = []
     for k, tool in enumerate(tools):
         if not isinstance(tool, dict) or tool.get("type") != "function":
@@ -148,18 +144,8 @@ def tool_choice_of(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise bad("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
-                             "\"name\": ...}.")
-
-
-def renamed(exc: UserError) -> UserError:
-    """A chat field's error in the Responses request's words."""
-    param = exc.param or ""
-    head = param.split(".")[0]
-    if head not in RENAMED:
-        return exc
-    message = exc.message.replace(f"'{head}'", f"'{RENAMED[head]}'")
-    return UserError(exc.code, message, exc.retryable, exc.status, RENAMED[head] + param[len(head):], exc.retry_after)
+    raise invalid("tool_choice", "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                                 "\"name\": ...}.")
 
 
 def echoed(body: dict) -> dict:
@@ -265,10 +251,6 @@ class Output:
         return events
 
 
-def pieces(parser: StreamParser | None, text: str) -> list[Delta]:
-    return parser.feed(text) if parser is not None else [Delta(content=text)] if text else []
-
-
 def finished(output: Output, parser: StreamParser | None, job: dict, shape: Shape,
              done: dict) -> tuple[list[tuple[str, dict]], dict]:
     """The last events of an answer (its parser's held-back text, the item being written closed) and its
@@ -277,10 +259,6 @@ def finished(output: Output, parser: StreamParser | None, job: dict, shape: Shap
     cut = choices_of(done)[0]["finish_reason"] == "length"
     events += output.close("incomplete" if cut else "completed")
     return events, envelope(job, shape, "incomplete" if cut else "completed", output.items, done)
-
-
-def parser_for(job: dict, shape: Shape) -> StreamParser | None:
-    return StreamParser(call_scope(job, 0), shape.forced) if shape.tools else None
 
 
 def response(job: dict, shape: Shape, done: dict) -> dict:
@@ -328,15 +306,5 @@ def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator
                 return True
         return False
 
-    def stream() -> Iterator[str]:
-        ended = False
-        try:
-            ended = yield from body()
-            if not ended:
-                yield event("error", {"code": "timeout", "param": None,
-                                      "message": "The answer stopped arriving; send the request again."})
-        finally:
-            if not ended:
-                queue.cancel(job["request_id"])
-
-    return stream()
+    return cancelling(job, body, lambda: event("error", {"code": "timeout", "message": STOPPED_ARRIVING,
+                                                         "param": None}))

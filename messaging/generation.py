@@ -25,6 +25,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_SEED = 2**63 - 1
 MAX_STOP_STRINGS = 4
 MAX_STOP_CHARS = 200
+MAX_STOP_TOKEN_IDS = 64
+MAX_TOKEN_ID = 2**31 - 1       # larger than any vocabulary; the worker names ids its model lacks
 MAX_CHOICES = 8
 MAX_LOGPROBS = 20              # alternatives per token (chat's top_logprobs)
 MAX_LEGACY_LOGPROBS = 5        # /v1/completions' logprobs, as OpenAI's
@@ -64,7 +66,9 @@ class Generation:
     logit_bias: dict[int, float] | None = None   # token id -> added to its logit
     seed: int | None = None              # None: drawn when the request is accepted (webapp/queue.py)
     stop: tuple[str, ...] = ()
-    min_tokens: int = 0                  # EOS and stop strings wait until the answer has this many tokens (vLLM's)
+    stop_token_ids: tuple[int, ...] = ()   # tokens that end the answer as EOS does (vLLM's)
+    include_stop_str_in_output: bool = False   # the matched stop string stays in the text (vLLM's)
+    min_tokens: int = 0                  # EOS, stop tokens and stop strings wait until the answer has this many (vLLM's)
     ignore_eos: bool = False             # EOS does not end the answer (vLLM's)
     skip_special_tokens: bool = True     # special tokens are left out of the text (vLLM's)
     n: int = 1
@@ -120,12 +124,13 @@ class Generation:
         if self.seed is not None:
             integer("seed", 0, MAX_SEED)
         self._check_stop(name("stop"))
+        self._check_stop_tokens(name("stop_token_ids"))
         integer("n", 1, MAX_CHOICES, " (send several requests for more)")
         integer("min_tokens", 0, MAX_TOKENS)
         if self.min_tokens > self.max_new_tokens:
             raise GenerationError(name("min_tokens"), f"'{name('min_tokens')}' ({self.min_tokens}) must not be more than "
                                                       f"'{name('max_new_tokens')}' ({self.max_new_tokens}).")
-        for f in ("ignore_eos", "skip_special_tokens"):
+        for f in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, f), bool):
                 raise GenerationError(name(f), f"'{name(f)}' must be true or false; got {shown(getattr(self, f))}.")
         for f in ("logprobs", "prompt_logprobs"):
@@ -177,6 +182,13 @@ class Generation:
             raise GenerationError(label, f"'{label}' must be a string or a list of at most {MAX_STOP_STRINGS} "
                                          f"non-empty strings of at most {MAX_STOP_CHARS} characters.")
 
+    def _check_stop_tokens(self, label: str) -> None:
+        ids = self.stop_token_ids
+        if not isinstance(ids, tuple) or len(ids) > MAX_STOP_TOKEN_IDS or \
+                not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= MAX_TOKEN_ID for t in ids):
+            raise GenerationError(label, f"'{label}' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids "
+                                         f"(integers >= 0), like [2]; got {shown(ids)}.")
+
     def engine_fields(self) -> dict[str, Any]:
         """The engine's SamplingParams fields (all but the service class, which the engine takes per request)."""
         out = asdict(self)
@@ -192,7 +204,7 @@ class Generation:
                 continue
             if f.name == "logit_bias":
                 value = {str(k): v for k, v in value.items()}   # JSON object keys are strings
-            elif f.name in ("stop", "dry_sequence_breakers"):
+            elif f.name in ("stop", "stop_token_ids", "dry_sequence_breakers"):
                 value = list(value)
             out[f.name] = value
         return out
@@ -224,6 +236,8 @@ class Generation:
             self.stop = (self.stop,)
         elif isinstance(self.stop, list):
             self.stop = tuple(self.stop)
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = tuple(self.stop_token_ids)
         if isinstance(self.logit_bias, dict):
             self.logit_bias = {token_id(k): v for k, v in self.logit_bias.items()} or None
         if isinstance(self.dry_sequence_breakers, list):

@@ -60,6 +60,20 @@ def test_a_streamed_message_is_what_the_client_accumulates(client):
     assert final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_a_matched_stop_sequence_is_reported_whole_and_streamed(client):
+    ask = {"model": "any", "max_tokens": 16, "extra_body": GREEDY, "messages": [{"role": "user", "content": QUESTION}]}
+    full = client.messages.create(**ask).content[0].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop.strip(), f"the answer {full!r} is too short to cut"
+    reply = client.messages.create(**ask, stop_sequences=["\x00never", stop])
+    assert reply.stop_reason == "stop_sequence" and reply.stop_sequence == stop
+    assert reply.content[0].text == full[:full.index(stop)]
+    with client.messages.stream(**ask, stop_sequences=[stop]) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence, final.content[0].text) == \
+        (reply.stop_reason, reply.stop_sequence, reply.content[0].text)
+
+
 def test_tool_use_whole_and_streamed_and_its_result_sent_back(client, chat):
     reply = client.messages.create(model="any", max_tokens=60, extra_body=GREEDY, tools=[TOOL],
                                    tool_choice={"type": "any", "disable_parallel_tool_use": True},

@@ -266,14 +266,19 @@ def test_dry_fields_as_llama_cpp_clients_send_them_reach_the_sampler(client, tin
     assert answers["direct"] != answers["plain"]
 
 
-def direct_completion(model_dir, ids: list[int], max_tokens: int) -> str:
+def direct_completion(model_dir, ids: list[int], max_tokens: int, **params) -> str:
+    return direct_answer(model_dir, ids, max_tokens, **params).text
+
+
+def direct_answer(model_dir, ids: list[int], max_tokens: int, **params) -> RequestFinished:
     model, tokenizer = load_model(str(model_dir), weights=weights_setting())   # the worker's precision
     engine = LLMEngine(model, tokenizer, EngineConfig(num_blocks=64))
-    engine.add_request("direct", prompt_token_ids=ids, params=SamplingParams(temperature=0, max_new_tokens=max_tokens))
+    engine.add_request("direct", prompt_token_ids=ids,
+                       params=SamplingParams(temperature=0, max_new_tokens=max_tokens, **params))
     while engine.has_unfinished():
         for event in engine.step():
             if isinstance(event, RequestFinished):
-                return event.text
+                return event
     raise AssertionError("no answer")
 
 
@@ -288,6 +293,48 @@ def test_completions_take_ids_or_text_as_they_are(client, tiny_model_dir, tokeni
     pieces = [c.choices[0].text for c in client.completions.create(model="any", prompt=text, max_tokens=8,
                                                                    temperature=0, stream=True) if c.choices]
     assert "".join(pieces) == by_ids.choices[0].text and len([p for p in pieces if p]) > 1
+
+
+def test_vllms_stop_token_ids_and_stop_reason_whole_and_streamed(client, tiny_model_dir, tokenizer):
+    """A stop token ends the answer where the model first draws it, and each choice says what stopped it (vLLM's
+    stop_reason): the token id, the stop string (kept in the text when asked), or null for the length cap."""
+    ids = tokenizer("Order 1234 was shipped on")["input_ids"]
+    full = direct_answer(tiny_model_dir, ids, 12, ignore_eos=True)
+    token = full.token_ids[4]
+    first = full.token_ids.index(token)
+    eos = {"ignore_eos": True}
+    capped = client.completions.create(model="any", prompt=ids, max_tokens=12, temperature=0, extra_body=eos)
+    assert capped.choices[0].text == full.text and capped.choices[0].finish_reason == "length"
+    assert capped.choices[0].model_extra["stop_reason"] is None
+    by_token = client.completions.create(model="any", prompt=ids, max_tokens=12, temperature=0,
+                                         extra_body={**eos, "stop_token_ids": [token]})
+    assert by_token.choices[0].finish_reason == "stop" and by_token.choices[0].model_extra["stop_reason"] == token
+    assert by_token.choices[0].text == tokenizer.decode(full.token_ids[:first + 1], skip_special_tokens=True)
+    assert by_token.usage.completion_tokens == first + 1
+    stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
+    cut = full.text.index(stop)
+    for include in (False, True):
+        body = {**eos, "include_stop_str_in_output": include}
+        whole = client.completions.create(model="any", prompt=ids, max_tokens=12, temperature=0, stop=[stop],
+                                          extra_body=body)
+        assert whole.choices[0].text == full.text[:cut + (len(stop) if include else 0)]
+        assert whole.choices[0].model_extra["stop_reason"] == stop
+        chunks = list(client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=12, temperature=0,
+                                                     stop=[stop], stream=True, extra_body=body))
+        ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+        chat = client.chat.completions.create(model="any", messages=MESSAGES, max_tokens=12, temperature=0,
+                                              stop=[stop], extra_body=body)
+        assert len(ends) == 1 and ends[0].model_extra["stop_reason"] == chat.choices[0].model_extra["stop_reason"]
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            chat.choices[0].message.content
+
+
+def test_a_stop_token_the_model_lacks_is_a_400_naming_it(stack, tokenizer):
+    too_big = len(tokenizer) + 10
+    response = requests.post(stack.web_urls[0] + "/v1/completions", timeout=30,
+                             json={"prompt": "hi", "max_tokens": 4, "stop_token_ids": [too_big]})
+    assert response.status_code == 400, response.text
+    assert "stop_token_ids" in response.json()["error"]["message"] and str(too_big) in response.json()["error"]["message"]
 
 
 def test_completions_echo_and_logprobs_score_a_prompt(client, tokenizer):
@@ -372,6 +419,10 @@ BAD = [
     ("/chat/completions", {"dry_allowed_length": 0}, "dry_allowed_length"),
     ("/chat/completions", {"dry_sequence_breakers": ["\n", ""]}, "dry_sequence_breakers"),
     ("/completions", {"prompt": "hi", "dry_penalty_last_n": -2}, "dry_penalty_last_n"),
+    ("/chat/completions", {"stop_token_ids": [-1]}, "stop_token_ids"),
+    ("/completions", {"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
+    ("/chat/completions", {"stop_token_ids": [2**31]}, "stop_token_ids"),
+    ("/chat/completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
 ]
 
 

@@ -440,6 +440,58 @@ def test_stop_strings_count_only_from_min_tokens_on(tiny):
     assert done["late"].finish_reason == "length" and done["late"].text == full.text
 
 
+def test_stop_token_ids_end_the_answer_and_say_which_one_did(tiny):
+    """A stop token ends a greedy answer where it is first drawn, kept as EOS is, and is the stop_reason; EOS and
+    the length cap leave stop_reason None; min_tokens keeps stop tokens out of the draw as it keeps EOS."""
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    ids = chat_ids(tok, QUESTIONS[1])
+    eos = tok.eos_token_id
+    engine.add_request("full", prompt_token_ids=ids, params=greedy(24, ignore_eos=True))
+    full = run_all(engine)[0]["full"]
+    assert full.finish_reason == "length" and full.stop_reason is None
+    at = 5
+    token = full.token_ids[at]
+    first = full.token_ids.index(token)
+    engine.add_request("cut", prompt_token_ids=ids, params=greedy(24, ignore_eos=True, stop_token_ids=[token]))
+    engine.add_request("late", prompt_token_ids=ids, params=greedy(24, ignore_eos=True, stop_token_ids=[token],
+                                                                   min_tokens=first + 1))
+    engine.add_request("eos", prompt_token_ids=ids, params=greedy(24, logit_bias={eos: 100.0},
+                                                                  stop_token_ids=[token]))
+    done = run_all(engine)[0]
+    assert done["cut"].finish_reason == "stop" and done["cut"].stop_reason == token
+    assert done["cut"].token_ids == full.token_ids[:first + 1]
+    assert done["cut"].text == tok.decode(full.token_ids[:first + 1], skip_special_tokens=True)
+    assert token not in done["late"].token_ids[:first + 1], "min_tokens let a stop token be drawn"
+    assert done["eos"].finish_reason == "stop" and done["eos"].stop_reason is None and done["eos"].token_ids == [eos]
+
+
+def test_a_matched_stop_string_is_the_stop_reason_and_can_stay_in_the_text(tiny):
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    ids = chat_ids(tok, QUESTIONS[2])
+    engine.add_request("full", prompt_token_ids=ids, params=greedy(30, ignore_eos=True))
+    full = run_all(engine)[0]["full"].text
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    cut = full.index(stop)
+    for rid, include in (("cut", False), ("kept", True)):
+        engine.add_request(rid, prompt_token_ids=ids, params=greedy(
+            30, ignore_eos=True, stop=["\x00never", stop], include_stop_str_in_output=include))
+    done, deltas = run_all(engine)
+    assert done["cut"].stop_reason == done["kept"].stop_reason == stop
+    assert done["cut"].text == full[:cut] == "".join(deltas["cut"])
+    assert done["kept"].text == full[:cut + len(stop)] == "".join(deltas["kept"])
+
+
+def test_stop_token_ids_the_model_lacks_are_refused_naming_them(tiny):
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    with pytest.raises(InvalidRequestError, match="stop_token_ids.*10000000"):
+        engine.add_request("x", prompt_token_ids=[1, 2], params=greedy(4, stop_token_ids=[3, 10_000_000]))
+    with pytest.raises(InvalidParamsError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[-1]).validate()
+
+
 def test_skip_special_tokens_false_shows_them_in_the_text(tiny):
     model, tok = tiny
     engine = engine_for(model, tok)

@@ -41,6 +41,12 @@ def finish_reason(reason: str) -> str:
     return "length" if reason == "length" else "stop"
 
 
+def stop_reason(choice: dict) -> str | int | None:
+    """vLLM's stop_reason: the stop string or stop token id that ended the choice, null for anything else (EOS,
+    the length cap, a call's end)."""
+    return choice.get("stop_reason")
+
+
 def call_reason(shape: Shape) -> str:
     """An answer that called tools ends with "tool_calls"; one whose tool_choice named the function with "stop"."""
     return "stop" if shape.named else "tool_calls"
@@ -108,18 +114,20 @@ def chat_completion(job: dict, shape: Shape, done: dict) -> dict:
                 reason = call_reason(shape) if reason != "length" else reason
         choices.append({"index": c["index"], "message": message,
                         "logprobs": {"content": c.get("logprobs") or []} if shape.logprobs else None,
-                        "finish_reason": reason})
+                        "finish_reason": reason, "stop_reason": stop_reason(c)})
     return {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion", "created": int(job["enqueued_at"]),
             "model": shape.model, "choices": choices, "usage": usage(done)}
 
 
 def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
     def chunk(index: int | None, delta: dict | None, reason: str | None = None, logprobs: list | None = None,
-              usage_: dict | None = None) -> str:
+              usage_: dict | None = None, ended_by: dict | None = None) -> str:
         body: dict = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
                       "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
         if index is not None:
             choice: dict = {"index": index, "delta": delta, "finish_reason": reason}
+            if ended_by is not None:
+                choice["stop_reason"] = stop_reason(ended_by)
             if shape.logprobs:
                 choice["logprobs"] = {"content": logprobs} if logprobs else None
             body["choices"] = [choice]
@@ -152,7 +160,7 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
                             yield chunk(i, delta.to_openai())
                         if parsers[i].calls and reason != "length":
                             reason = call_reason(shape)
-                    yield chunk(i, {}, reason)
+                    yield chunk(i, {}, reason, ended_by=c)
                 if shape.include_usage:   # OpenAI's shape: a last chunk with no choices, only usage
                     yield chunk(None, None, usage_=usage(event))
                 return True
@@ -200,7 +208,7 @@ def completion(job: dict, shape: Shape, done: dict) -> dict:
             for key in logprobs:
                 logprobs[key] += more[key]
         choices.append({"index": c["index"], "text": prompt_text + c["text"], "logprobs": logprobs,
-                        "finish_reason": finish_reason(c["finish_reason"])})
+                        "finish_reason": finish_reason(c["finish_reason"]), "stop_reason": stop_reason(c)})
     return {"id": f"cmpl-{job['request_id']}", "object": "text_completion", "created": int(job["enqueued_at"]),
             "model": shape.model, "choices": choices, "usage": usage(done)}
 
@@ -210,11 +218,13 @@ def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterat
     its log-probabilities), which comes with choice 0's first delta; the end carries it too, for an answer with
     no tokens or a delta that was lost. A choice's tokens wait only until the prompt is known."""
     def chunk(index: int | None, text: str, logprobs: dict | None = None, reason: str | None = None,
-              usage_: dict | None = None) -> str:
+              usage_: dict | None = None, ended_by: dict | None = None) -> str:
         body: dict = {"id": f"cmpl-{job['request_id']}", "object": "text_completion",
                       "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
         if index is not None:
             body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
+            if ended_by is not None:
+                body["choices"][0]["stop_reason"] = stop_reason(ended_by)
         if usage_ is not None:
             body["usage"] = usage_
         return f"data: {json.dumps(body)}\n\n"
@@ -253,7 +263,7 @@ def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterat
                     yield from deliver(waiting)
                 for c in choices_of(event):
                     yield from deliver({"event": "done", "index": c["index"]})
-                    yield chunk(c["index"], "", None, finish_reason(c["finish_reason"]))
+                    yield chunk(c["index"], "", None, finish_reason(c["finish_reason"]), ended_by=c)
                 if shape.include_usage:
                     yield chunk(None, "", usage_=usage(event))
                 return True

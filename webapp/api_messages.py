@@ -197,19 +197,26 @@ class Blocks:
         return [("content_block_stop", {"index": len(self.blocks) - 1})]
 
 
-def stop_reason(blocks: Blocks, done: dict) -> str:
-    if choices_of(done)[0]["finish_reason"] == "length":
-        return "max_tokens"
-    return "tool_use" if any(b["type"] == "tool_use" for b in blocks.blocks) else "end_turn"
+def stop_reason(blocks: Blocks, done: dict) -> tuple[str, str | None]:
+    """The Message's stop_reason and stop_sequence: the length cap, a call, one of the stop_sequences, or the end
+    of the model's turn."""
+    choice = choices_of(done)[0]
+    if choice["finish_reason"] == "length":
+        return "max_tokens", None
+    if any(b["type"] == "tool_use" for b in blocks.blocks):
+        return "tool_use", None
+    matched = choice.get("stop_reason")
+    return ("stop_sequence", matched) if isinstance(matched, str) else ("end_turn", None)
 
 
 def usage(done: dict) -> dict:
     return {"input_tokens": done["prompt_tokens"], "output_tokens": done["completion_tokens"]}
 
 
-def message(job: dict, shape: Shape, content: list[dict], reason: str | None, done: dict | None) -> dict:
+def message(job: dict, shape: Shape, content: list[dict], reason: tuple[str | None, str | None],
+            done: dict | None) -> dict:
     return {"id": f"msg_{job['request_id']}", "type": "message", "role": "assistant", "model": shape.model,
-            "content": content, "stop_reason": reason, "stop_sequence": None,
+            "content": content, "stop_reason": reason[0], "stop_sequence": reason[1],
             "usage": usage(done) if done is not None else {"input_tokens": 0, "output_tokens": 0}}
 
 
@@ -231,7 +238,7 @@ def answer_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[s
     blocks, parser = Blocks(), parser_for(job, shape)
 
     def body() -> Iterator[str]:
-        yield event("message_start", {"message": message(job, shape, [], None, None)})
+        yield event("message_start", {"message": message(job, shape, [], (None, None), None)})
         yield event("ping", {})
         for ev in events:
             if ev["event"] == "waiting":
@@ -247,7 +254,8 @@ def answer_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[s
                         yield event(kind, fields)
                 for kind, fields in blocks.close():
                     yield event(kind, fields)
-                yield event("message_delta", {"delta": {"stop_reason": stop_reason(blocks, ev), "stop_sequence": None},
+                reason, sequence = stop_reason(blocks, ev)
+                yield event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
                                               "usage": usage(ev)})
                 yield event("message_stop", {})
                 return True

@@ -54,7 +54,9 @@ def sampling(body: dict, default_max_tokens: int, min_max_tokens: int = 1, logpr
         repetition_penalty=given("repetition_penalty", 1.0), presence_penalty=given("presence_penalty", 0.0),
         frequency_penalty=given("frequency_penalty", 0.0), logit_bias=body.get("logit_bias"), seed=body.get("seed"),
         stop=stop, n=given("n", 1), logprobs=logprobs, min_tokens=given("min_tokens", 0),
-        ignore_eos=given("ignore_eos", False), skip_special_tokens=given("skip_special_tokens", True), **dry(body))
+        ignore_eos=given("ignore_eos", False), skip_special_tokens=given("skip_special_tokens", True),
+        stop_token_ids=given("stop_token_ids", ()), include_stop_str_in_output=given("include_stop_str_in_output", False),
+        **dry(body))
     if score_prompt and (logprobs is not None or generation.max_new_tokens == 0):
         generation.prompt_logprobs = logprobs or 0
     try:

@@ -45,6 +45,8 @@ class CommonRequest(BaseModel):
     logit_bias: dict[str, Any] | None = None   # token ids as strings; their biases are checked with the limits
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[StrictInt] | None = None       # vLLM's
+    include_stop_str_in_output: StrictBool | None = None   # vLLM's
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None

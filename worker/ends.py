@@ -35,10 +35,11 @@ def combined(ends: list[RequestFinished]) -> RequestFinished:
 
 
 def api_fields(job: dict, ends: list[RequestFinished], tokens: TokenJson | None, prompt_text) -> dict:
-    """What an API client's final event carries beyond the chat's: each choice (text, end, tokens,
-    log-probabilities) and, for an echo, the prompt's text and log-probabilities."""
+    """What an API client's final event carries beyond the chat's: each choice (text, end, the stop string or token
+    that ended it, tokens, log-probabilities) and, for an echo, the prompt's text and log-probabilities."""
     fields: dict = {"choices": [
         {"index": e.index, "text": e.text, "finish_reason": e.finish_reason, "completion_tokens": e.completion_tokens,
+         "stop_reason": e.stop_reason,
          **({"logprobs": [tokens(x) for x in e.logprobs]} if e.logprobs is not None and tokens else {})}
         for e in ends]}
     if job.get(ECHO):

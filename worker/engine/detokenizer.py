@@ -31,9 +31,12 @@ class IncrementalDetokenizer:
     deltas always add up to the final text.
     """
 
-    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
+    def __init__(self, tokenizer, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.include_stop = include_stop   # the text ends after the matched stop string rather than before it
+        self.matched: str | None = None    # the stop string that ended the text
         self.skip_special_tokens = skip_special_tokens
         self.armed = True   # False: stop strings are not looked for yet (min_tokens); text shown meanwhile stays
         self.ids: list[int] = []
@@ -102,8 +105,11 @@ class IncrementalDetokenizer:
     def _release(self, final: bool) -> str:
         upto = len(self.text)
         if self.stop and not self.stopped and self.armed:
-            cut = self._find_stop()
-            if cut is not None:
+            found = self._find_stop()
+            if found is not None:
+                cut, self.matched = found
+                if self.include_stop:
+                    cut += len(self.matched)
                 self.text = self.text[:cut]
                 self.stopped = True
                 upto = cut
@@ -113,14 +119,15 @@ class IncrementalDetokenizer:
         self.emitted = upto
         return delta
 
-    def _find_stop(self) -> int | None:
+    def _find_stop(self) -> tuple[int, str] | None:
+        """The earliest stop string in the text (where it starts, which one), if any."""
         # Shown text never ends in the start of a stop string, so a match begins in the unshown part.
-        text, start, first = self.text, self.emitted, -1
+        text, start, first, which = self.text, self.emitted, -1, None
         for s in self.stop:
             i = text.find(s, start)
             if i >= 0 and (first < 0 or i < first):
-                first = i
-        return first if first >= 0 else None
+                first, which = i, s
+        return (first, which) if which is not None else None
 
     def _held_back(self) -> int:
         """Length of the longest unshown tail that a stop string could begin with."""

@@ -187,20 +187,27 @@ class LLMEngine:
         if outside:
             raise InvalidRequestError(f"logit_bias names token ids the model does not have: {outside[:5]}; "
                                       f"its ids run from 0 to {self.vocab - 1}.")
+        outside = sorted(t for t in params.stop_token_ids if t >= self.vocab)
+        if outside:
+            raise InvalidRequestError(f"stop_token_ids names token ids the model does not have: {outside[:5]}; "
+                                      f"its ids run from 0 to {self.vocab - 1}.")
         if params.dry and params.dry_sequence_breakers:   # their token ids, looked up here rather than in a step
             self.sampler.breakers(tuple(params.dry_sequence_breakers))
         seed = params.seed if params.seed is not None else random_seed()
         arrival_time = arrival_time or time.time()
-        # Until min_tokens, EOS is masked out of the draw (a bias of -inf) and stop strings are not looked for.
-        early = replace(params, logit_bias={**(params.logit_bias or {}), **dict.fromkeys(self.eos_ids, -math.inf)}) \
-            if params.min_tokens > 0 and not params.ignore_eos else None
+        # Until min_tokens, EOS and the stop tokens are masked out of the draw (a bias of -inf) and stop strings are
+        # not looked for.
+        end_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(self.eos_ids))
+        early = replace(params, logit_bias={**(params.logit_bias or {}), **dict.fromkeys(end_ids, -math.inf)}) \
+            if params.min_tokens > 0 and end_ids else None
         group = [Sequence(
             request_id=request_id, prompt_token_ids=ids, params=params, arrival_time=arrival_time,
             seed=choice_seed(seed, index),
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens),
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop, params.skip_special_tokens,
+                                               params.include_stop_str_in_output),
             index=index, matcher=self.grammars.matcher(params.structure) if params.structure is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else [], service_class=service_class,
-            early_params=early)
+            early_params=early, end_ids=end_ids)
             for index in range(params.n)]
         for seq in group:
             seq.group = group
@@ -482,7 +489,7 @@ class LLMEngine:
     def _append_tokens(self, seqs: list[Sequence], tokens: list[int],
                        entries: list[TokenLogprob | None] | None = None) -> list[Event]:
         now, events = time.time(), []
-        eos_ids, max_len = self.eos_ids, self.max_model_len
+        max_len = self.max_model_len
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             entry = entries[i] if entries else None
             detokenizer = seq.detokenizer
@@ -496,7 +503,7 @@ class LLMEngine:
                 ids.append(token)
                 events.append(TokenDelta(seq.request_id, detokenizer.push_token(token), [token], index=seq.index))
                 params = seq.params
-                if detokenizer.stopped or (token in eos_ids and not params.ignore_eos):
+                if detokenizer.stopped or token in seq.end_ids:
                     events += self._finish(seq, "stop")
                 elif len(ids) - len(seq.prompt_token_ids) >= params.max_new_tokens or len(ids) >= max_len:
                     events += self._finish(seq, "length")
@@ -527,7 +534,7 @@ class LLMEngine:
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]
         if seq.detokenizer.stopped:
             return events + self._finish(seq, "stop")
-        if token in self.eos_ids and not seq.params.ignore_eos:
+        if token in seq.end_ids:
             return events + self._finish(seq, "stop")
         if seq.matcher is not None:
             if not seq.matcher.consume_token(token):
@@ -563,8 +570,18 @@ class LLMEngine:
             mean_batch_size=seq.batch_size_sum / seq.steps if seq.steps else 0.0,
             preemptions=seq.num_preemptions, error=error, finished=last, index=seq.index,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-            prompt_logprobs=seq.prompt_logprobs_result(), prompt_token_ids=list(seq.prompt_token_ids)))
+            prompt_logprobs=seq.prompt_logprobs_result(), prompt_token_ids=list(seq.prompt_token_ids),
+            stop_reason=self._stop_reason(seq) if reason == "stop" else None))
         return events
+
+    def _stop_reason(self, seq: Sequence) -> str | int | None:
+        """The stop string or stop token that ended the answer; None for EOS or a completed grammar."""
+        if seq.detokenizer.matched is not None:
+            return seq.detokenizer.matched
+        last = seq.token_ids[-1] if seq.num_completion_tokens else None
+        if last in seq.params.stop_token_ids and (seq.params.ignore_eos or last not in self.eos_ids):
+            return last
+        return None
 
     def release_model(self) -> None:
         """Stop and hand the model back unchanged, e.g. to run plain `generate` on it again."""

@@ -51,6 +51,9 @@ class RequestFinished:
     logprobs: list[TokenLogprob] | None = None   # one per completion token, when the request asked
     prompt_logprobs: list[TokenLogprob | None] | None = None   # one per prompt token (the first is None)
     prompt_token_ids: list[int] = field(default_factory=list)
+    # What ended a "stop": the stop string matched or the stop token drawn; None for EOS, a grammar's end or any
+    # other reason (vLLM's stop_reason).
+    stop_reason: str | int | None = None
 
     @property
     def queue_wait(self) -> float | None:

@@ -28,8 +28,10 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 256
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the answer as EOS does (kept in it, as EOS is)
+    include_stop_str_in_output: bool = False  # the matched stop string stays at the end of the text
     ignore_eos: bool = False
-    min_tokens: int = 0  # EOS cannot be drawn and stop strings are not looked for until the answer has this many
+    min_tokens: int = 0  # EOS and stop tokens cannot be drawn, stop strings are not looked for, until this many
     skip_special_tokens: bool = True  # special tokens (EOS under ignore_eos, say) are left out of the text
     presence_penalty: float = 0.0  # subtracted once from each token generated so far (OpenAI's semantics)
     frequency_penalty: float = 0.0  # subtracted once per time each token was generated so far
@@ -57,6 +59,8 @@ class SamplingParams:
             self.stop = (self.stop,)
         elif isinstance(self.stop, list):
             self.stop = tuple(self.stop)
+        if isinstance(self.stop_token_ids, list):
+            self.stop_token_ids = tuple(self.stop_token_ids)
         if isinstance(self.dry_sequence_breakers, list):
             self.dry_sequence_breakers = tuple(self.dry_sequence_breakers)
         # JSON object keys are strings: OpenAI's logit_bias is {"50256": -100}.
@@ -87,7 +91,7 @@ class SamplingParams:
             _check_int("max_new_tokens", self.max_new_tokens, lambda v: v >= 0,
                        "must be an integer >= 0 (0 only scores the prompt, with prompt_logprobs)")
         self._validate_stop()
-        for name in ("ignore_eos", "skip_special_tokens"):
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidParamsError(f"{name} must be true or false; got {getattr(self, name)!r}")
         _check_int("min_tokens", self.min_tokens, lambda v: 0 <= v <= max(self.max_new_tokens, 0),
@@ -140,6 +144,9 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidParamsError(f"stop entries must be non-empty strings; got {s!r}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise InvalidParamsError(f"stop_token_ids must be a list of token ids (integers >= 0); "
+                                     f"got {self.stop_token_ids!r}")
 
 
 def _is_int(value: Any) -> bool:

@@ -108,8 +108,9 @@ def test_cancel_mid_answer_frees_the_slot_and_records_cancelled(stack, db):
     c = ChatClient(web)
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     try:
-        # This web process answers at length, so there is time to press stop.
-        long_web = stack.web_with(MAX_NEW_TOKENS="2000")
+        # This web process answers at length, so there is time to press stop: without grounding's lead, whose
+        # answers end at the model's first line break, the random model writes to the cap.
+        long_web = stack.web_with(MAX_NEW_TOKENS="2000", CHAT_GROUNDING="off")
         c.close()
         c = ChatClient(long_web)
         c.sio.emit("chat_message", {"text": "Tell me everything about your return policy."})

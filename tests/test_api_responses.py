@@ -99,6 +99,24 @@ def test_function_calls_whole_and_streamed_and_their_outputs_sent_back(client):
     assert answer.output_text == (same.choices[0].message.content or "")
 
 
+def test_log_probabilities_when_included_whole_and_streamed(client):
+    """`include` with the output text's logprobs: the chat completion's entries, on the message's text part and
+    spread over the stream's text deltas; top_logprobs alone sends none, as OpenAI's API does."""
+    ask = {"model": "any", "input": QUESTION, "max_output_tokens": 10, "temperature": 0, "top_logprobs": 2}
+    reply = client.responses.create(**ask, include=["message.output_text.logprobs"])
+    chat = client.chat.completions.create(model="any", messages=[{"role": "user", "content": QUESTION}], max_tokens=10,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    want = [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    got = [entry.model_dump() for entry in reply.output[0].content[0].logprobs]
+    assert len(got) == chat.usage.completion_tokens and got == want
+    assert all(len(entry["top_logprobs"]) == 2 for entry in got)
+    events = list(client.responses.create(**ask, include=["message.output_text.logprobs"], stream=True))
+    streamed = [entry.model_dump() for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    done = next(e for e in events if e.type == "response.output_text.done")
+    assert streamed == [entry.model_dump() for entry in done.logprobs] == want
+    assert client.responses.create(**ask).output[0].content[0].logprobs == []
+
+
 def test_a_json_schema_text_format_holds_the_answer(client):
     schema = {"type": "object", "properties": {"status": {"enum": ["shipped", "lost"]}}, "required": ["status"],
               "additionalProperties": False}
@@ -119,6 +137,11 @@ def test_a_json_schema_text_format_holds_the_answer(client):
      "text.format"),
     ({"truncation": "sometimes"}, "invalid_value", "truncation"),
     ({"frequency_penalty": 1}, "unknown_parameter", "frequency_penalty"),
+    ({"include": ["reasoning.encrypted_content"]}, "unsupported_parameter", "include"),
+    ({"include": "message.output_text.logprobs"}, "invalid_value", "include"),
+    ({"include": ["message.output_text.logprobs"], "tools": [FUNCTION]}, "unsupported_parameter", "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "invalid_value", "top_logprobs"),
+    ({"top_logprobs": -1}, "invalid_value", "top_logprobs"),
 ])
 def test_what_cannot_be_honoured_is_refused_naming_the_field(stack, fields, code, param):
     body = {"model": "any", "input": QUESTION, **fields}
@@ -161,3 +184,20 @@ def test_text_and_calls_come_out_as_items_in_the_order_written_whole_and_streame
     added = [f["item"]["id"] for kind, f in events if kind == "response.output_item.added"]
     assert added == [f["item"]["id"] for kind, f in events if kind == "response.output_item.done"] == \
         [i["id"] for i in whole["output"]]
+
+
+def test_log_probabilities_of_tokens_without_text_ride_on_the_next_delta_or_an_empty_last_one():
+    from structured.tools import Delta
+
+    entry = [{"token": t, "logprob": -1.0, "bytes": list(t.encode()), "top_logprobs": []} for t in "abcd"]
+    output = Output({"request_id": "r1", "enqueued_at": 0.0})
+    events = output.feed(Delta(content="Hi"), entry[:1])
+    output.hold(entry[1:2])   # part of a character: no text yet
+    events += output.feed(Delta(content=" there"), entry[2:3])
+    output.hold(entry[3:])    # the end-of-turn token, whose text is not shown
+    events += output.close()
+    deltas = [f for kind, f in events if kind == "response.output_text.delta"]
+    assert [(d["delta"], d["logprobs"]) for d in deltas] == [("Hi", entry[:1]), (" there", entry[1:3]),
+                                                             ("", entry[3:])]
+    done = next(f for kind, f in events if kind == "response.output_text.done")
+    assert done["logprobs"] == entry and output.items[0]["content"][0]["logprobs"] == entry

@@ -11,6 +11,7 @@ from typing import Any
 from structured.tools import Delta, StreamParser
 
 from .api_answers import KEEP_ALIVE, STOPPED_ARRIVING, Shape, cancelling, choices_of, parser_for, pieces
+from . import api_params
 from .api_params import invalid
 from .queue import UserError
 
@@ -22,10 +23,10 @@ UNSUPPORTED = {
     "background": ((None, False), "answers are not run in the background here; leave it out"),
     "prompt": ((None,), "stored prompts are not kept here; send 'instructions' and 'input'"),
     "reasoning": ((None,), "the models served here do not reason apart from their answer; leave it out"),
-    "include": ((None, []), "no extra output (logprobs, encrypted reasoning) is included here; leave it out"),
-    "top_logprobs": ((None, 0), "use /v1/chat/completions with logprobs for log-probabilities"),
     "max_tool_calls": ((None,), "tool calls are not capped here; leave it out"),
 }
+# What `include` may name: the answer's log-probabilities (each output_text's `logprobs`).
+LOGPROBS = "message.output_text.logprobs"
 # Chat-completion fields the Responses fields become, for errors that name the chat's (api_params.renamed).
 RENAMED = {"max_tokens": "max_output_tokens", "messages": "input", "response_format": "text.format"}
 ROLES = ("user", "system", "developer", "assistant")
@@ -48,6 +49,14 @@ def chat_body(body: dict) -> dict:
         chat["tools"] = tools_of(body["tools"])
     if body.get("tool_choice") is not None:
         chat["tool_choice"] = tool_choice_of(body["tool_choice"])
+    if logprobs_asked(body):
+        if chat.get("tools") and chat.get("tool_choice") != "none":
+            raise UserError("unsupported_parameter", f"'include' {LOGPROBS!r} is not served with tools here; ask "
+                                                     "/v1/chat/completions (logprobs: true) or leave the tools out.",
+                            param="include")
+        chat["logprobs"], chat["top_logprobs"] = True, body.get("top_logprobs") or 0
+    elif body.get("top_logprobs") is not None:   # checked as the chat checks it; without `include`, none are sent
+        api_params.chat_logprobs({"logprobs": True, "top_logprobs": body["top_logprobs"]})
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
@@ -63,6 +72,21 @@ def chat_body(body: dict) -> dict:
             else:
                 chat["response_format"] = {"type": fmt["type"]}
     return chat
+
+
+def logprobs_asked(body: dict) -> bool:
+    """Whether `include` asks for the answer's log-probabilities; a 400 for anything else it names."""
+    include = body.get("include")
+    if include is None:
+        return False
+    if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+        raise invalid("include", f"'include' must be a list of strings, like [{LOGPROBS!r}].")
+    other = [x for x in include if x != LOGPROBS]
+    if other:
+        raise UserError("unsupported_parameter", f"'include' names {other[0][:60]!r}, which is not served here (no "
+                                                 f"reasoning, files or tools run on the server); only {LOGPROBS!r} is.",
+                        param="include")
+    return bool(include)
 
 
 def text_of(content: Any, where: str) -> str:
@@ -156,7 +180,7 @@ def echoed(body: dict) -> dict:
             "temperature": body.get("temperature", 1.0), "top_p": body.get("top_p", 1.0),
             "tool_choice": body.get("tool_choice") or "auto", "tools": body.get("tools") or [],
             "text": {"format": fmt}, "truncation": body.get("truncation") or "disabled",
-            "user": body.get("user"), "store": False}
+            "user": body.get("user"), "store": False, "top_logprobs": body.get("top_logprobs")}
 
 
 # ---- the answer ---------------------------------------------------------------------------------------
@@ -176,28 +200,36 @@ def envelope(job: dict, shape: Shape, status: str, output: list[dict], done: dic
             "usage": usage(done) if done is not None else None}
 
 
-def text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 class Output:
     """An answer's output items as its pieces arrive (structured.tools.Delta): a message item for each run of
     text, a function_call item for each call, in the order the model wrote them. Each change comes back as the
-    Responses API's stream events, (type, fields); a whole answer reads the items only."""
+    Responses API's stream events, (type, fields); a whole answer reads the items only. Log-probabilities, when
+    asked, ride on the text they came with: tokens that brought no text yet (part of a character) wait for the next
+    delta."""
 
     def __init__(self, job: dict) -> None:
         self.request_id = job["request_id"]
         self.items: list[dict] = []
         self.text: list[str] = []   # the open message's text
+        self.entries: list[dict] = []   # the open message's log-probabilities
+        self.held: list[dict] = []      # log-probabilities of tokens whose text has not come yet
         self.messages = 0
 
     def _open(self) -> bool:
         return bool(self.items) and self.items[-1]["status"] == "in_progress"
 
-    def feed(self, piece: Delta) -> list[tuple[str, dict]]:
+    def hold(self, logprobs: list[dict] | None) -> None:
+        self.held += logprobs or []
+
+    def feed(self, piece: Delta, logprobs: list[dict] | None = None) -> list[tuple[str, dict]]:
         events: list[tuple[str, dict]] = []
         if piece.index is None:
             if not piece.content:
+                self.hold(logprobs)
                 return events
             if not (self._open() and self.items[-1]["type"] == "message"):
                 events += self.close()
@@ -206,14 +238,16 @@ class Output:
                 item = {"type": "message", "id": f"msg_{self.request_id}{suffix}", "status": "in_progress",
                         "role": "assistant", "content": []}
                 self.items.append(item)
-                self.text = []
+                self.text, self.entries = [], []
                 events += [("response.output_item.added", {"output_index": len(self.items) - 1, "item": dict(item)}),
                            ("response.content_part.added", {"item_id": item["id"], "output_index": len(self.items) - 1,
                                                             "content_index": 0, "part": text_part("")})]
             self.text.append(piece.content)
+            entries, self.held = self.held + (logprobs or []), []
+            self.entries += entries
             events.append(("response.output_text.delta", {"item_id": self.items[-1]["id"],
                                                           "output_index": len(self.items) - 1, "content_index": 0,
-                                                          "delta": piece.content, "logprobs": []}))
+                                                          "delta": piece.content, "logprobs": entries}))
             return events
         if piece.id is not None:   # a call begins
             events += self.close()
@@ -236,12 +270,16 @@ class Output:
         index, item = len(self.items) - 1, self.items[-1]
         events: list[tuple[str, dict]] = []
         if item["type"] == "message":
-            whole = "".join(self.text)
+            if self.held:   # tokens that brought no text (an end-of-turn token, say): an empty delta carries them
+                events.append(("response.output_text.delta", {"item_id": item["id"], "output_index": index,
+                                                              "content_index": 0, "delta": "", "logprobs": self.held}))
+                self.entries, self.held = self.entries + self.held, []
+            whole, entries = "".join(self.text), self.entries
             events += [("response.output_text.done", {"item_id": item["id"], "output_index": index,
-                                                      "content_index": 0, "text": whole, "logprobs": []}),
+                                                      "content_index": 0, "text": whole, "logprobs": entries}),
                        ("response.content_part.done", {"item_id": item["id"], "output_index": index,
-                                                       "content_index": 0, "part": text_part(whole)})]
-            item.update(content=[text_part(whole)], status=status)
+                                                       "content_index": 0, "part": text_part(whole, entries)})]
+            item.update(content=[text_part(whole, entries)], status=status)
         else:
             events.append(("response.function_call_arguments.done", {"item_id": item["id"], "output_index": index,
                                                                      "name": item["name"],
@@ -265,8 +303,11 @@ def response(job: dict, shape: Shape, done: dict) -> dict:
     """The whole answer as a Response: its text and calls as items, in the order the model wrote them (as a
     stream of the same answer gives them)."""
     output, parser = Output(job), parser_for(job, shape)
-    for piece in pieces(parser, choices_of(done)[0]["text"]):
-        output.feed(piece)
+    choice = choices_of(done)[0]
+    logprobs = choice.get("logprobs") if shape.logprobs else None
+    for piece in pieces(parser, choice["text"]):
+        output.feed(piece, logprobs)
+        logprobs = None
     return finished(output, parser, job, shape, done)[1]
 
 
@@ -291,9 +332,14 @@ def response_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator
                 yield KEEP_ALIVE
             elif ev["event"] == "token":
                 if ev.get("index", 0) == 0:
-                    for piece in pieces(parser, ev["text"]):
-                        for kind, fields in output.feed(piece):
+                    logprobs = ev.get("logprobs") if shape.logprobs else None
+                    found = pieces(parser, ev["text"])
+                    if not found:
+                        output.hold(logprobs)
+                    for piece in found:
+                        for kind, fields in output.feed(piece, logprobs):
                             yield event(kind, fields)
+                        logprobs = None
             elif ev["event"] == "done":
                 last, final = finished(output, parser, job, shape, ev)
                 for kind, fields in last:

@@ -74,6 +74,20 @@ def test_a_matched_stop_sequence_is_reported_whole_and_streamed(client):
         (reply.stop_reason, reply.stop_sequence, reply.content[0].text)
 
 
+def test_count_tokens_is_what_the_message_is_charged_for(client):
+    ask = {"model": "any", "system": SYSTEM, "messages": [{"role": "user", "content": QUESTION}]}
+    counts = []
+    for tools in ([], [TOOL]):
+        extra = {"tools": tools} if tools else {}
+        counts.append(client.messages.count_tokens(**ask, **extra).input_tokens)
+        reply = client.messages.create(**ask, **extra, max_tokens=1, extra_body=GREEDY)
+        assert counts[-1] == reply.usage.input_tokens, tools
+    assert counts[1] > counts[0], "the offered tool should be in the prompt"
+    with pytest.raises(anthropic.BadRequestError, match="messages") as bad:
+        client.messages.count_tokens(model="any", messages=[])
+    assert bad.value.body["type"] == "error" and bad.value.body["error"]["type"] == "invalid_request_error"
+
+
 def test_tool_use_whole_and_streamed_and_its_result_sent_back(client, chat):
     reply = client.messages.create(model="any", max_tokens=60, extra_body=GREEDY, tools=[TOOL],
                                    tool_choice={"type": "any", "disable_parallel_tool_use": True},

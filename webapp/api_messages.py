@@ -18,6 +18,7 @@ from .api_params import invalid
 from .queue import UserError
 
 PATH = "/v1/messages"
+COUNT_PATH = PATH + "/count_tokens"   # answered from the tokenizer (webapp/tokens.py)
 # Chat-completion fields these become, for errors that name the chat's (api_params.renamed).
 RENAMED = {"stop": "stop_sequences", "response_format": "output_config"}
 # Anthropic's error types by HTTP status.
@@ -270,9 +271,9 @@ def answer_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[s
 
 
 def anthropic_errors(response: Response) -> Response:
-    """Errors on /v1/messages (refusals, routing, keys) in the Messages API's shape: {type: error, error: {type,
-    message}}."""
-    if request.path != PATH or response.status_code < 400 or response.is_streamed or not response.is_json:
+    """Errors on /v1/messages and its count_tokens (refusals, routing, keys) in the Messages API's shape: {type:
+    error, error: {type, message}}."""
+    if request.path not in (PATH, COUNT_PATH) or response.status_code < 400 or response.is_streamed or not response.is_json:
         return response
     body = response.get_json(silent=True)
     error = body.get("error") if isinstance(body, dict) else None

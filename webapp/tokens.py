@@ -1,5 +1,6 @@
-"""POST /tokenize and /detokenize, as vLLM's and llama.cpp's servers take them: a text, chat messages or token ids
-through the served model's tokenizer, answered by the web process from what the workers publish (no queue)."""
+"""POST /tokenize and /detokenize, as vLLM's and llama.cpp's servers take them, and Anthropic's
+/v1/messages/count_tokens: a text, chat messages or token ids through the served model's tokenizer, answered by the
+web process from what the workers publish (no queue)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from flask import Blueprint, current_app, request
 from messaging import chat_template
 from messaging.prompts import template_refusal
 
-from . import api, api_params, prompt_check
+from . import api, api_messages, api_params, prompt_check
 from .prompt_check import Model
 from .queue import UserError
 
@@ -103,3 +104,21 @@ def detokenize():
         return {"prompt": text, "content": text}   # vLLM's name, llama.cpp's
     except UserError as exc:
         return api.error_response(exc)
+
+
+@bp.post(api_messages.COUNT_PATH)
+def count_tokens():
+    """Anthropic's count of a Messages request's input tokens: the prompt its answer would be charged for (system,
+    messages and the tools it offers, through the chat template)."""
+    try:
+        chat = api_messages.chat_body(body(), 1)   # the answer's length plays no part in the count
+        messages = api.parse_messages(chat)
+        use = api_params.tool_use(chat)
+        tools = [tool.to_openai() for tool in use.tools] if use.offered else None
+        try:
+            ids = served().chat_ids(messages, tools, None, False)
+        except chat_template.TemplateError as exc:
+            raise UserError("invalid_messages", template_refusal(str(exc.message or exc)), param="messages") from None
+        return {"input_tokens": len(ids)}
+    except UserError as exc:
+        return api.error_response(api_params.renamed(exc, api_messages.RENAMED))

@@ -93,8 +93,12 @@ def test_a_streaming_client_that_goes_away_cancels_its_answer(stack, db):
     assert record.completion_tokens < 2000
 
 
-def test_models_lists_what_the_worker_serves(client, tiny_model_dir):
-    assert [m.id for m in client.models.list().data] == [str(tiny_model_dir)]
+def test_models_lists_what_the_worker_serves(client, stack, tiny_model_dir):
+    listed = client.models.list().data
+    assert [m.id for m in listed] == [str(tiny_model_dir)]
+    # vLLM's max_model_len: the context length the worker checks prompts against.
+    counted = requests.post(stack.web_urls[0] + "/tokenize", json={"prompt": "hi"}, timeout=10).json()
+    assert listed[0].model_extra["max_model_len"] == counted["max_model_len"] > 0
     # A name that is a path: the client asks for /v1/models//tmp/...
     assert client.models.retrieve(str(tiny_model_dir)).id == str(tiny_model_dir)
     with pytest.raises(openai.NotFoundError, match="GET /v1/models lists") as missing:

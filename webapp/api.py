@@ -105,21 +105,36 @@ def read_json() -> dict:
     return body
 
 
+def served() -> dict[str, int | None]:
+    """The models the live workers serve, each with its context length (the shortest where workers differ; None
+    from a worker that does not announce it): one hash read (MODELS_KEY), never a scan of Redis's keyspace."""
+    now, out = time.time(), {}
+    for raw in current_app.extensions["redis"].hvals(MODELS_KEY):
+        entry = json.loads(raw)
+        name = entry.get("model")
+        if not name or now - float(entry.get("time", 0)) >= MODEL_ENTRY_TTL_S:
+            continue
+        length = entry.get("max_model_len")
+        known = [n for n in (out.get(name), length) if isinstance(n, int)]
+        out[name] = min(known) if known else None
+    return dict(sorted(out.items())) or {"supportbot": None}
+
+
 def served_models() -> list[str]:
-    """The models the live workers serve: one hash read (MODELS_KEY), never a scan of Redis's keyspace."""
-    now = time.time()
-    entries = [json.loads(raw) for raw in current_app.extensions["redis"].hvals(MODELS_KEY)]
-    names = {e.get("model") for e in entries if now - float(e.get("time", 0)) < MODEL_ENTRY_TTL_S}
-    return sorted(n for n in names if n) or ["supportbot"]
+    return list(served())
 
 
-def model_entry(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "supportbot"}
+def model_entry(name: str, max_model_len: int | None) -> dict:
+    """A model card, with vLLM's max_model_len (prompt and answer together) when the workers announce it."""
+    entry: dict = {"id": name, "object": "model", "created": 0, "owned_by": "supportbot"}
+    if max_model_len is not None:
+        entry["max_model_len"] = max_model_len
+    return entry
 
 
 @bp.get("/models")
 def models():
-    return {"object": "list", "data": [model_entry(name) for name in served_models()]}
+    return {"object": "list", "data": [model_entry(name, length) for name, length in served().items()]}
 
 
 @bp.get("/models/<path:model>", merge_slashes=False)
@@ -127,9 +142,9 @@ def models():
 def model(model: str):
     """One served model (the openai client's `models.retrieve`). A name that is a path keeps its slashes, its
     leading one included (`/v1/models//srv/models/x`); names are compared without a leading slash."""
-    for name in served_models():
+    for name, length in served().items():
         if name.strip("/") == model.strip("/"):
-            return model_entry(name)
+            return model_entry(name, length)
     shown = model if len(model) <= MAX_MODEL_CHARS else model[:MAX_MODEL_CHARS] + "..."
     return error_response(UserError("model_not_found", f"The model '{shown}' is not served here; GET /v1/models "
                                                        "lists the models this server serves.", param="model",

@@ -218,7 +218,7 @@ class WorkerRuntime:
                 self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
                     "kv_usage": stats.kv_usage, **announced, "time": time.time()}), ex=HEARTBEAT_TTL_S)
-                entry = {"model": self.model_name, "time": time.time()}
+                entry = {"model": self.model_name, "max_model_len": self.engine.max_model_len, "time": time.time()}
                 if self.form is not None:
                     entry[FORM_FIELD] = self.keep_form()
                 self.redis.hset(MODELS_KEY, self.settings.name, json.dumps(entry))

@@ -11,6 +11,9 @@ DEFAULT_CLASS = "standard"
 GENERATE_TASK = "supportbot.generate"
 CANCEL_CHANNEL = "supportbot:cancel"            # web -> worker: abort this request id
 HEARTBEAT_PREFIX = "supportbot:workers:"        # worker -> web: a key per live worker, short TTL
+# worker -> web: the set of worker names, added to with each heartbeat, so readers look up each worker's keys
+# rather than scan the keyspace (messaging/workers.py)
+WORKER_NAMES_KEY = "supportbot:worker-names"
 # worker -> web: one hash of every worker's model, {worker name: {"model", "time"}}, refreshed with the heartbeat,
 # so /v1/models reads one key instead of scanning the keyspace; an entry older than MODEL_ENTRY_TTL_S is a gone
 # worker's.

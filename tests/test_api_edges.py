@@ -270,7 +270,7 @@ def test_a_request_no_worker_starts_in_time_is_a_503_with_retry_after_and_is_can
     wait_for(ended_as_cancelled, 60, "the cancelled request's record")
 
 
-def test_the_models_list_reads_no_keyspace_scan(stack, tiny_model_dir):
+def test_the_models_list_and_readiness_read_no_keyspace_scan(stack, tiny_model_dir):
     url = stack.web_urls[0]
     monitor = redis.Redis.from_url(stack.env["REDIS_URL"]).monitor()
     commands: list[str] = []
@@ -279,6 +279,7 @@ def test_the_models_list_reads_no_keyspace_scan(stack, tiny_model_dir):
         for _ in range(5):
             assert [e["id"] for e in requests.get(url + "/v1/models", timeout=10).json()["data"]] == \
                 [str(tiny_model_dir)]
+        assert requests.get(url + "/readyz", timeout=10).json()["checks"]["worker"] == "1 live"
         requests.get(url + "/healthz", timeout=10)
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:

@@ -391,3 +391,11 @@ def test_the_rate_limit_bench_measures_the_script_against_the_limits_package(cap
     assert "1.00x the Lua script's time" in out and out.count("x the Lua script's time") == 5
     # Refused requests spend nothing with the script; with a hit of each rule they drain the address's budget.
     assert "lua (one EVAL, all rules)                        admitted 5, address slots left for everyone else 45" in out
+
+
+def test_keyspace_bench_finds_the_workers_each_way_and_prints_the_ratio(capsys):
+    from bench import keyspace
+
+    keyspace.main(["--sizes", "200,2000", "--tries", "1"])   # each lookup asserts it found both workers
+    lines = [line for line in capsys.readouterr().out.splitlines() if "scan / names" in line]
+    assert len(lines) == 2 and "2,003 keys" in lines[1]

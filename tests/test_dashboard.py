@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import random
@@ -20,6 +19,7 @@ from sqlalchemy.pool import NullPool
 from werkzeug.security import generate_password_hash
 
 from housekeeping import histogram, rollup
+from messaging import workers
 from messaging.classes import DEFAULT_TTFT_OBJECTIVE_S
 from models import RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
@@ -292,10 +292,8 @@ def seeded(any_database_url, redis_url):
         db.commit()
     rollup.summarise(sessions.kw["bind"])
     r = redis.Redis.from_url(redis_url)
-    r.set("supportbot:workers:w1", json.dumps({"model": "tiny", "running": 3, "waiting": 2, "kv_usage": 0.5,
-                                               "time": now}))
-    r.set("supportbot:workers:w2", json.dumps({"model": "tiny", "running": 1, "waiting": 0, "kv_usage": 0.25,
-                                               "time": now}))
+    workers.announce(r, "w1", {"model": "tiny", "running": 3, "waiting": 2, "kv_usage": 0.5, "time": now}, 3600)
+    workers.announce(r, "w2", {"model": "tiny", "running": 1, "waiting": 0, "kv_usage": 0.25, "time": now}, 3600)
     r.rpush("generate", *["job"] * 4)
     yield sessions
     sessions.kw["bind"].dispose()

@@ -8,7 +8,6 @@ now - window). Percentiles come from log-spaced histograms: within 1% of the exa
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections import Counter
@@ -23,7 +22,7 @@ from housekeeping import histogram, lease, rollup
 from housekeeping.sql import Spelling
 from models import FINISH_REASONS, ApiKey, DirtyMinute, RequestRecord, SlowRequest, UTCDateTime
 from messaging.classes import ttft_objectives
-from messaging.contract import HEARTBEAT_PREFIX
+from messaging.workers import heartbeats
 from messaging.queue import queue_depths
 
 
@@ -214,12 +213,8 @@ def live(r: redis.Redis, now: float | None = None) -> dict:
     now = time.time() if now is None else now
     try:
         workers = []
-        for key in sorted(r.scan_iter(HEARTBEAT_PREFIX + "*")):
-            raw = r.get(key)
-            if raw is None:   # expired between the scan and the read
-                continue
-            beat = json.loads(raw)
-            workers.append({"name": key.decode()[len(HEARTBEAT_PREFIX):], "model": beat.get("model"),
+        for name, beat in heartbeats(r).items():
+            workers.append({"name": name, "model": beat.get("model"),
                             "running": beat.get("running", 0), "waiting": beat.get("waiting", 0),
                             "kv_usage": beat.get("kv_usage"), "age_seconds": now - beat.get("time", now)})
         depths = queue_depths(r)

@@ -8,14 +8,13 @@ queue and per-address limits to match, and a CPU worker keeps the defaults its 1
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 
 import redis
 from flask import current_app
 
-from messaging.contract import HEARTBEAT_PREFIX
+from messaging import workers
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +37,7 @@ class Capacity:
         if now - self._read_at >= REFRESH_S:
             self._read_at = now   # one caller refreshes; the others use the figure it had
             try:
-                keys = list(self.redis.scan_iter(HEARTBEAT_PREFIX + "*"))
-                beats = self.redis.mget(keys) if keys else []
-                self._slots = sum(int(json.loads(b).get("slots") or 0) for b in beats if b)
+                self._slots = sum(int(beat.get("slots") or 0) for beat in workers.heartbeats(self.redis).values())
             except (redis.RedisError, ValueError) as exc:
                 log.warning("could not read the workers' capacity: %s", exc)
         return self._slots

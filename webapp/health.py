@@ -10,7 +10,7 @@ from sqlalchemy import text
 from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-from messaging.contract import HEARTBEAT_PREFIX
+from messaging import workers
 
 from .sockets import reply, socketio
 
@@ -35,8 +35,8 @@ def readyz():
         r = current_app.extensions["redis"]
         r.ping()
         checks["redis"] = "ok"
-        workers = list(r.scan_iter(HEARTBEAT_PREFIX + "*"))
-        checks["worker"] = f"{len(workers)} live" if workers else "none: start the worker (make run does)"
+        live = workers.heartbeats(r)
+        checks["worker"] = f"{len(live)} live" if live else "none: start the worker (make run does)"
     except Exception as exc:
         checks["redis"] = f"unreachable: {exc}"
         checks["worker"] = "unknown"

@@ -11,7 +11,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from messaging.contract import HEARTBEAT_PREFIX, METRICS_PREFIX
+from messaging import workers
 from messaging.queue import queue_depths
 
 from .auth import bearer_ok, logged_in
@@ -56,12 +56,6 @@ def merge_snapshots(snapshots: dict[str, str]) -> list[Metric]:
     return list(families.values())
 
 
-def read_snapshots(r: redis.Redis) -> dict[str, str]:
-    keys = sorted(r.scan_iter(METRICS_PREFIX + "*"))
-    texts = r.mget(keys) if keys else []
-    return {key.decode()[len(METRICS_PREFIX):]: text.decode() for key, text in zip(keys, texts) if text is not None}
-
-
 class ClusterCollector:
     """Read at scrape time, so every web process serves the same figures."""
 
@@ -70,14 +64,14 @@ class ClusterCollector:
 
     def collect(self) -> Iterator[Metric]:
         r = self.redis
-        yield from merge_snapshots(read_snapshots(r))
+        yield from merge_snapshots(workers.snapshots(r))
         depth = GaugeMetricFamily("supportbot_queue_depth", "Requests in the broker's queues, not yet taken by a "
                                   "worker, by service class.", labels=["class"])
         for service_class, waiting in queue_depths(r).items():
             depth.add_metric([service_class], waiting)
         yield depth
         yield GaugeMetricFamily("supportbot_workers_live", "Workers whose heartbeat is current.",
-                                value=sum(1 for _ in r.scan_iter(HEARTBEAT_PREFIX + "*")))
+                                value=len(workers.heartbeats(r)))
         for name, documentation, key in OUTCOME_COUNTERS:
             outcomes = CounterMetricFamily(name, documentation, labels=["outcome"])
             for outcome, total in sorted(r.hgetall(key).items()):

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from messaging.classes import CLASSES, ttft_objectives
-from messaging.contract import snapshot_key
+from messaging import workers
 from messaging.jobs import service_class
 from models import FINISH_REASONS
 
@@ -132,7 +132,7 @@ class WorkerMetrics:
     def publish(self, r: redis.Redis, stats: EngineStats | None) -> None:
         """Never raises: the heartbeat thread that calls it must keep beating."""
         try:
-            r.set(snapshot_key(self.worker), self.exposition(stats), ex=SNAPSHOT_TTL_S)
+            workers.publish_snapshot(r, self.worker, self.exposition(stats), SNAPSHOT_TTL_S)
         except redis.RedisError as exc:
             log.warning("could not publish metrics: %s", exc)
         except Exception:

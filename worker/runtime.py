@@ -12,8 +12,9 @@ import redis
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
+from messaging import workers
 from messaging.connections import redis_client
-from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, HEARTBEAT_PREFIX, INLINE_FINAL_BYTES, MODELS_KEY,
+from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, INLINE_FINAL_BYTES, MODELS_KEY,
                                 final_key, job_key)
 from messaging.prompt_form import FORM_FIELD, FORM_TTL_S, form_key, tokenizer_key
 from messaging.queue import visibility_timeout
@@ -215,9 +216,9 @@ class WorkerRuntime:
         while not self.stopped.is_set():
             stats = self.engine.stats()
             try:
-                self.redis.set(HEARTBEAT_PREFIX + self.settings.name, json.dumps({
+                workers.announce(self.redis, self.settings.name, {
                     "model": self.model_name, "running": stats.running, "waiting": stats.waiting,
-                    "kv_usage": stats.kv_usage, **announced, "time": time.time()}), ex=HEARTBEAT_TTL_S)
+                    "kv_usage": stats.kv_usage, **announced, "time": time.time()}, HEARTBEAT_TTL_S)
                 entry = {"model": self.model_name, "max_model_len": self.engine.max_model_len, "time": time.time()}
                 if self.form is not None:
                     entry[FORM_FIELD] = self.keep_form()
@@ -246,12 +247,14 @@ class WorkerRuntime:
 
 
 def forget_gone_workers(r: redis.Redis) -> None:
-    """Drop the model entries of workers silent for an hour (their names are never used again after a restart)."""
+    """Drop the model entries of workers silent for an hour (their names are never used again after a restart),
+    and the names of workers whose keys have expired."""
     now = time.time()
     gone = [name for name, raw in r.hgetall(MODELS_KEY).items()
             if now - float(json.loads(raw).get("time", 0)) > GONE_AFTER_S]
     if gone:
         r.hdel(MODELS_KEY, *gone)
+    workers.forget_gone(r)
 
 
 def capacity(engine) -> dict:

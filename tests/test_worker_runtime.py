@@ -85,8 +85,9 @@ def test_choices_are_stored_as_one_record_and_reported_each_with_its_own_end():
     now = time.time()
     first = RequestFinished(request_id="r", text="Hi", token_ids=[1], finish_reason="stop", prompt_tokens=5,
                             completion_tokens=1, cached_tokens=0, arrival_time=now, admitted_time=now,
-                            first_token_time=now + 1, finished_time=now + 2, mean_batch_size=1.0, finished=False)
-    second = replace(first, text="Hello", completion_tokens=3, finish_reason="length", index=1,
+                            first_token_time=now + 1, finished_time=now + 2, mean_batch_size=1.0, finished=False,
+                            stop_reason="END")
+    second = replace(first, text="Hello", completion_tokens=3, finish_reason="length", index=1, stop_reason=None,
                      first_token_time=now + 0.5, finished_time=now + 3, finished=True)
     record = combined([first, second])
     assert (record.text, record.completion_tokens, record.finish_reason) == ("Hi", 4, "stop")
@@ -94,5 +95,5 @@ def test_choices_are_stored_as_one_record_and_reported_each_with_its_own_end():
     assert combined([first, replace(second, finish_reason="error", error="boom")]).error == "boom"
     fields = api_fields({"request_id": "r"}, [first, second], None, lambda ids: "")
     assert fields == {"choices": [
-        {"index": 0, "text": "Hi", "finish_reason": "stop", "completion_tokens": 1},
-        {"index": 1, "text": "Hello", "finish_reason": "length", "completion_tokens": 3}]}
+        {"index": 0, "text": "Hi", "finish_reason": "stop", "completion_tokens": 1, "stop_reason": "END"},
+        {"index": 1, "text": "Hello", "finish_reason": "length", "completion_tokens": 3, "stop_reason": None}]}

@@ -207,7 +207,7 @@ class LLMEngine:
                                                params.include_stop_str_in_output),
             index=index, matcher=self.grammars.matcher(params.structure) if params.structure is not None else None,
             prompt_logprobs=[None] if params.prompt_logprobs is not None else [], service_class=service_class,
-            early_params=early, end_ids=end_ids)
+            early_params=early)
             for index in range(params.n)]
         for seq in group:
             seq.group = group
@@ -489,7 +489,7 @@ class LLMEngine:
     def _append_tokens(self, seqs: list[Sequence], tokens: list[int],
                        entries: list[TokenLogprob | None] | None = None) -> list[Event]:
         now, events = time.time(), []
-        max_len = self.max_model_len
+        eos_ids, max_len = self.eos_ids, self.max_model_len
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             entry = entries[i] if entries else None
             detokenizer = seq.detokenizer
@@ -503,7 +503,8 @@ class LLMEngine:
                 ids.append(token)
                 events.append(TokenDelta(seq.request_id, detokenizer.push_token(token), [token], index=seq.index))
                 params = seq.params
-                if detokenizer.stopped or token in seq.end_ids:
+                if detokenizer.stopped or (token in eos_ids and not params.ignore_eos) or \
+                        token in params.stop_token_ids:
                     events += self._finish(seq, "stop")
                 elif len(ids) - len(seq.prompt_token_ids) >= params.max_new_tokens or len(ids) >= max_len:
                     events += self._finish(seq, "length")
@@ -534,7 +535,7 @@ class LLMEngine:
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]
         if seq.detokenizer.stopped:
             return events + self._finish(seq, "stop")
-        if token in seq.end_ids:
+        if (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:
             return events + self._finish(seq, "stop")
         if seq.matcher is not None:
             if not seq.matcher.consume_token(token):

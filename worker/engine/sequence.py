@@ -55,7 +55,6 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # per prompt token, when asked
     service_class: str = "standard"                      # one of SERVICE_CLASSES
     early_params: SamplingParams | None = None           # drawn with until min_tokens: params with EOS masked out
-    end_ids: frozenset[int] = frozenset()                # tokens that end the answer: EOS (unless ignored), stop tokens
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -10,8 +10,8 @@ from typing import Any
 
 from structured.tools import Delta, StreamParser
 
-from .api_answers import KEEP_ALIVE, STOPPED_ARRIVING, Shape, cancelling, choices_of, parser_for, pieces
 from . import api_params
+from .api_answers import KEEP_ALIVE, STOPPED_ARRIVING, Shape, cancelling, choices_of, parser_for, pieces
 from .api_params import invalid
 from .queue import UserError
 

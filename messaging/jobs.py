@@ -24,6 +24,7 @@ from __future__ import annotations
 from messaging.contract import DEFAULT_CLASS
 
 STRUCTURE, TOOLS, PROMPT, ECHO, TEMPLATE = "structure", "tools", "prompt", "echo", "template"
+TOKENS_AS_IDS = "tokens_as_ids"   # log-probabilities name each token "token_id:N" (vLLM's return_tokens_as_token_ids)
 HTTP_REQUEST_ID = "http_request_id"
 
 

@@ -205,6 +205,28 @@ def test_logprobs_whole_and_streamed(client):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in entries]
 
 
+def test_vllms_tokens_as_ids_name_every_logprob_token_by_its_id(client, tokenizer):
+    request = dict(model="any", messages=MESSAGES, temperature=0, max_tokens=12, logprobs=True, top_logprobs=2)
+    named = client.chat.completions.create(**request).choices[0]
+    by_id = client.chat.completions.create(**request, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    ids = [int(e.token.removeprefix("token_id:")) for e in by_id.logprobs.content]
+    assert all(e.token.startswith("token_id:") and all(t.token.startswith("token_id:") for t in e.top_logprobs)
+               for e in by_id.logprobs.content)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == by_id.message.content == named.message.content
+    assert [e.logprob for e in by_id.logprobs.content] == [e.logprob for e in named.logprobs.content]
+    assert [e.bytes for e in by_id.logprobs.content] == [e.bytes for e in named.logprobs.content]
+    chunks = list(client.chat.completions.create(**request, stream=True,
+                                                 extra_body={"return_tokens_as_token_ids": True}))
+    assert [e.token for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content] \
+        == [e.token for e in by_id.logprobs.content]
+    # The legacy completion's echoed prompt too: every token, and each alternative's key.
+    prompt = tokenizer("Where is my parcel?")["input_ids"]
+    scored = client.completions.create(model="any", prompt=prompt, max_tokens=2, temperature=0, echo=True,
+                                       logprobs=1, extra_body={"return_tokens_as_token_ids": True}).choices[0]
+    assert scored.logprobs.tokens[:len(prompt)] == [f"token_id:{t}" for t in prompt]
+    assert all(k.startswith("token_id:") for top in scored.logprobs.top_logprobs[1:] for k in top)
+
+
 def test_n_choices_whole_and_streamed(client):
     request = dict(model="any", messages=MESSAGES, n=3, max_tokens=10, seed=21, temperature=1.0)
     reply = client.chat.completions.create(**request)
@@ -423,6 +445,7 @@ BAD = [
     ("/completions", {"prompt": "hi", "stop_token_ids": list(range(65))}, "stop_token_ids"),
     ("/chat/completions", {"stop_token_ids": [2**31]}, "stop_token_ids"),
     ("/chat/completions", {"include_stop_str_in_output": "yes"}, "include_stop_str_in_output"),
+    ("/completions", {"prompt": "hi", "return_tokens_as_token_ids": 1}, "return_tokens_as_token_ids"),
 ]
 
 

@@ -132,23 +132,33 @@ def test_the_web_process_sends_the_same_packet_socketio_would():
     assert sent == [("eio1", expected.encode()), ("eio2", expected.encode())]
 
 
-def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_its_last_choice(r):
+def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_its_last_choice(r, tokenizer):
     from dataclasses import replace
 
+    from messaging.jobs import TOKENS_AS_IDS
     from worker.engine import TokenLogprob
+    from worker.token_json import TokenJson
 
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(STREAM_CHANNEL)
-    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0,
-                          describe=lambda e: {"token": str(e.token_id), "logprob": e.logprob})
+    tokens = TokenJson(tokenizer)
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0, describe=tokens)
     answer = publisher.track(job("d", api=True), 0)
     entry = TokenLogprob(token_id=7, logprob=-0.5, rank=1, top=[])
     publisher.outbox.put([TokenDelta("d", "A", [7], index=0, logprobs=[entry]),
                           TokenDelta("d", "", [8], index=1, logprobs=[replace(entry, token_id=8)])])
     [first] = batches(pubsub, 1)
     assert [e.data for e in first] == [
-        {"request_id": "d", "text": "A", "offset": 0, "logprobs": [{"token": "7", "logprob": -0.5}]},
-        {"request_id": "d", "text": "", "offset": 0, "index": 1, "logprobs": [{"token": "8", "logprob": -0.5}]}]
+        {"request_id": "d", "text": "A", "offset": 0, "logprobs": [{**tokens.one(7, -0.5), "top_logprobs": []}]},
+        {"request_id": "d", "text": "", "offset": 0, "index": 1,
+         "logprobs": [{**tokens.one(8, -0.5), "top_logprobs": []}]}]
+    # A request that asked for vLLM's return_tokens_as_token_ids: the same entries, each token named by its id.
+    publisher.track({**job("e", api=True), TOKENS_AS_IDS: True}, 0)
+    publisher.outbox.put([TokenDelta("e", "A", [7], index=0, logprobs=[replace(entry, top=[(9, -1.5)])])])
+    [ids] = batches(pubsub, 1)
+    assert ids[0].data["logprobs"] == [{"token": "token_id:7", "logprob": -0.5, "bytes": tokens.one(7, 0)["bytes"],
+                                        "top_logprobs": [{"token": "token_id:9", "logprob": -1.5,
+                                                          "bytes": tokens.one(9, 0)["bytes"]}]}]
     publisher.outbox.put([replace(finished("d", "A"), index=0, finished=False)])
     time.sleep(0.2)
     assert answer.ends.empty(), "one choice ended; the request has not"

@@ -352,7 +352,7 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
     messages = parse_messages(body)
     logprobs = api_params.chat_logprobs(body)
     generation = api_params.sampling(body, current_app.config["MAX_NEW_TOKENS"], logprobs=logprobs)
-    extra: dict = {}
+    extra: dict = api_params.token_names(body)
     use = api_params.tool_use(body)
     structure = api_params.response_format(body)
     guided = api_params.structured_outputs(body)
@@ -404,7 +404,7 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
     # No answer at all (max_tokens 0) only scores the prompt, which the client sees through echo.
     generation = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1, logprobs=logprobs,
                                      score_prompt=echo)
-    extra = {jobs.PROMPT: prompts[0], **({jobs.ECHO: True} if echo else {})}
+    extra = {jobs.PROMPT: prompts[0], **({jobs.ECHO: True} if echo else {}), **api_params.token_names(body)}
     structure = api_params.structured_outputs(body)
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from messaging import jobs
 from messaging.generation import MAX_LEGACY_LOGPROBS, MAX_LOGPROBS, Generation, GenerationError
 from messaging.prompts import RESERVED_TEMPLATE_NAMES, TemplateOptions
 from structured import Structure, StructureError, Tool, ToolError
@@ -95,6 +96,12 @@ def chat_logprobs(body: dict) -> int | None:
             raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true; send both.")
         return None
     return top or 0
+
+
+def token_names(body: dict) -> dict:
+    """The job field for vLLM's return_tokens_as_token_ids: log-probabilities that name each token "token_id:N"
+    (its text can be ambiguous, or not a whole character)."""
+    return {jobs.TOKENS_AS_IDS: True} if body.get("return_tokens_as_token_ids") else {}
 
 
 def legacy_logprobs(body: dict) -> int | None:

@@ -47,6 +47,7 @@ class CommonRequest(BaseModel):
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[StrictInt] | None = None       # vLLM's
     include_stop_str_in_output: StrictBool | None = None   # vLLM's
+    return_tokens_as_token_ids: StrictBool | None = None   # vLLM's: log-probabilities name tokens "token_id:N"
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None

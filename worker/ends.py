@@ -37,6 +37,7 @@ def combined(ends: list[RequestFinished]) -> RequestFinished:
 def api_fields(job: dict, ends: list[RequestFinished], tokens: TokenJson | None, prompt_text) -> dict:
     """What an API client's final event carries beyond the chat's: each choice (text, end, the stop string or token
     that ended it, tokens, log-probabilities) and, for an echo, the prompt's text and log-probabilities."""
+    tokens = tokens.for_job(job) if tokens is not None else None
     fields: dict = {"choices": [
         {"index": e.index, "text": e.text, "finish_reason": e.finish_reason, "completion_tokens": e.completion_tokens,
          "stop_reason": e.stop_reason,

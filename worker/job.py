@@ -141,7 +141,8 @@ class Job:
         if answer is None:
             return None
         if echo is not None:
-            answer.echo = partial(echoed_prompt, echo, prompt_ids, tokens=self.rt.tokens)
+            answer.echo = partial(echoed_prompt, echo, prompt_ids,
+                                  tokens=self.rt.tokens.for_job(self.spec) if self.rt.tokens is not None else None)
             answer.echo_waits = params.prompt_logprobs is not None
         try:
             # Queued by acceptance time: the task threads hand requests over in no particular order.

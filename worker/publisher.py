@@ -14,6 +14,7 @@ import redis
 from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, streamed_key
 from messaging.stream import encode_batch, event_for
 from worker.engine import Event, RequestFinished, TokenDelta, TokenLogprob
+from worker.token_json import TokenJson
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class Publisher:
     """
 
     def __init__(self, client: redis.Redis, on_redis_error: Callable[[], None],
-                 window_s: float = DEFAULT_WINDOW_S, describe: Callable[[TokenLogprob], dict] | None = None) -> None:
+                 window_s: float = DEFAULT_WINDOW_S, describe: TokenJson | None = None) -> None:
         self.redis, self.on_redis_error, self.window_s = client, on_redis_error, window_s
         self.describe = describe   # a token's log-probabilities as JSON for clients (worker/token_json.py)
         self.outbox: queue.Queue[list[Event]] = queue.Queue()   # the engine puts each step's events here
@@ -165,7 +166,8 @@ class Publisher:
             if index:
                 data["index"] = index
             if logprobs and self.describe is not None:
-                data["logprobs"] = [self.describe(entry) for entry in logprobs]
+                describe = self.describe.for_job(answer.job)
+                data["logprobs"] = [describe(entry) for entry in logprobs]
             if (index == 0 and answer.echo is not None and not answer.echoed
                     and (answer.prompt_logprobs is not None or not answer.echo_waits)):
                 data["prompt"] = answer.echo(answer.prompt_logprobs)

@@ -8,7 +8,7 @@ import redis
 from flask import Blueprint, current_app, request
 
 from messaging import chat_template
-from messaging.prompts import template_refusal
+from messaging.prompts import TemplateOptions, template_refusal
 
 from . import api, api_messages, api_params, prompt_check
 from .prompt_check import Model
@@ -43,6 +43,15 @@ def flag(data: dict, name: str, default: bool) -> bool:
     return value
 
 
+def chat_ids(model: Model, messages: list[dict], tools: list[dict] | None,
+             options: TemplateOptions | None = None, add_special_tokens: bool = False) -> list[int]:
+    """A chat's prompt ids as the worker renders them; a template's refusal is the client's 400."""
+    try:
+        return model.chat_ids(messages, tools, options, add_special_tokens)
+    except chat_template.TemplateError as exc:
+        raise UserError("invalid_messages", template_refusal(str(exc.message or exc)), param="messages") from None
+
+
 def tokenized(data: dict) -> tuple[list[int], Model]:
     """The ids of vLLM's `prompt` or `messages`, or llama.cpp's `content`."""
     model = served()
@@ -52,11 +61,7 @@ def tokenized(data: dict) -> tuple[list[int], Model]:
         tools = data.get("tools")
         if tools is not None:
             tools = [tool.to_openai() for tool in api_params.tool_use({"tools": tools}).tools]
-        try:
-            ids = model.chat_ids(messages, tools, options, flag(data, "add_special_tokens", False))
-        except chat_template.TemplateError as exc:
-            raise UserError("invalid_messages", template_refusal(str(exc.message or exc)), param="messages") from None
-        return ids, model
+        return chat_ids(model, messages, tools, options, flag(data, "add_special_tokens", False)), model
     name = "prompt" if "prompt" in data else "content"
     text = data.get(name)
     if not isinstance(text, str):
@@ -115,10 +120,6 @@ def count_tokens():
         messages = api.parse_messages(chat)
         use = api_params.tool_use(chat)
         tools = [tool.to_openai() for tool in use.tools] if use.offered else None
-        try:
-            ids = served().chat_ids(messages, tools, None, False)
-        except chat_template.TemplateError as exc:
-            raise UserError("invalid_messages", template_refusal(str(exc.message or exc)), param="messages") from None
-        return {"input_tokens": len(ids)}
+        return {"input_tokens": len(chat_ids(served(), messages, tools))}
     except UserError as exc:
         return api.error_response(api_params.renamed(exc, api_messages.RENAMED))

@@ -579,8 +579,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="the engine's decode steps: eager, or through static buffers (CUDA graphs on CUDA) "
                              "with triton or flex (in place) or gather attention (default: the device's default)")
     parser.add_argument("--compile", choices=("on", "off"), default=None,
-                        help="the engine's decoder layers compiled for steps with Triton attention (EngineConfig."
-                             "compile_layers; default: the device's, on for CUDA)")
+                        help="the engine's decoder layers compiled for steps with Triton attention or the CPU "
+                             "kernel (EngineConfig.compile_layers; default: the device's, on for CUDA)")
     parser.add_argument("--sampler-candidates", type=int, default=None, metavar="N",
                         help="the engine's top-k/top-p cut-off searched among the N best tokens first, 0 for a full "
                              "sort (default: 256 on CPU, a full sort elsewhere)")

@@ -11,7 +11,8 @@ bucket's CUDA graph is captured from it (device.DecodeGraphs). q/k/v and gate/up
 
 A layer runs compiled when called with a step's buffers: a decode step's (`engine_tables`, through
 paged_decode) or an eager step's plan (`engine_plan`, prefill chunks and mixed steps through paged_chunks, the
-token count symbolic too); called without them it runs the model's own code.
+token count symbolic too), or on CPU any step's rows (`engine_rows`, through the C kernel's paged_kernel; w8a8
+linears through their registered matmul); called without them it runs the model's own code.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import torch
 from .weights import merged
 
 log = logging.getLogger(__name__)
+
+# A step's buffers, one of which a call carries to run compiled: a decode step's block tables (Triton), an eager
+# step's plan (Triton) or a CPU step's rows (the C kernel)
+STEP_ARGUMENTS = frozenset(("engine_tables", "engine_plan", "engine_rows"))
 
 
 def decoder_layers(model) -> torch.nn.ModuleList | None:
@@ -60,7 +65,7 @@ class CompiledLayers:
         compiled = self.compiled
 
         def forward(hidden_states, *args, **kwargs):
-            if "engine_tables" not in kwargs and "engine_plan" not in kwargs:
+            if not STEP_ARGUMENTS.intersection(kwargs):
                 return eager(hidden_states, *args, **kwargs)
             # Row counts, sequences and table widths vary from step to step: symbolic from the first compilation
             # on, never specialised.
@@ -70,7 +75,7 @@ class CompiledLayers:
             for name in ("engine_slots", "engine_tables", "engine_lens"):
                 if name in kwargs:
                     torch._dynamo.maybe_mark_dynamic(kwargs[name], 0)
-            for t in kwargs.get("engine_plan", ()):
+            for t in (*kwargs.get("engine_plan", ()), *kwargs.get("engine_rows", ())):
                 for dim in range(t.dim()):
                     torch._dynamo.maybe_mark_dynamic(t, dim)
             with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), \

@@ -24,7 +24,8 @@ class EngineConfig:
     decode_attention: str | None = None  # static-buffer decode steps: "flex" (in place) or "gather";
                                          # None: $DECODE_ATTENTION, else "flex", falling back to "gather"
     compile_layers: bool | None = None   # decoder layers compiled with torch.compile for steps with Triton
-                                         # attention (compiled.py); None: $COMPILE_LAYERS, else on for CUDA
+                                         # attention or the CPU's C kernel (compiled.py); None: $COMPILE_LAYERS,
+                                         # else on for CUDA (off on CPU, where it measured no faster)
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
                                          # runs (engine.py); None: off (sizing.py)
     sampler_candidates: int | None = None  # CPU: top-k/top-p searched among this many best tokens first (0: the

@@ -21,6 +21,9 @@ from .transfer import place_pending, upload
 
 log = logging.getLogger(__name__)
 
+# Attention backends whose eager steps run the compiled layers: the Triton kernels (CUDA), the C kernel (CPU)
+COMPILED_BACKENDS = ("triton", "kernel")
+
 
 def _text_config(model):
     config = model.config
@@ -105,7 +108,7 @@ class ModelRunner:
 
             _, kv_heads, _ = kv_shape(model)
             paged_triton.warm_up(self.kv[0, 0], self.kv[1, 0], kv_heads * query_group(model), self.num_blocks)
-        if self.compiled is not None and self.attention_backend == "triton":
+        if self.compiled is not None and self.attention_backend in COMPILED_BACKENDS:
             self._compile_eager()
         # Decode rows keep their sequences from step to step wherever block tables persist on the device.
         self.row_order = RowOrder() if self.decode_graphs is not None or self.paged is not None else None
@@ -253,10 +256,22 @@ class ModelRunner:
                  num_decodes: int, pending: torch.Tensor | None = None, fixes: list[tuple[int, int]] = (),
                  compiled: bool = False) -> torch.Tensor:
         """An eager step's forward; compiled: through the compiled layers, the step's buffers as arguments."""
+        step = {}
+        if compiled and len(ids) == 1:
+            # One token runs as two, so that the compiled code never meets a size of one (which it would
+            # specialise): the padding row writes and reads the scratch block alone.
+            scratch = self.num_blocks
+            ids, positions = ids + [0], positions + [0]
+            slots, spans = slots + [scratch * self.config.block_size], spans + [Span(1, 1, 1, [scratch])]
         ctx = attention.build_context(self.attention_backend, self.kv, slots, spans, num_decodes,
                                       self.config.block_size, self.paged, query_group(self.model),
                                       least=2 if compiled else 1)
-        step = dict(engine_kv=ctx.kv, engine_slots=ctx.slots, engine_plan=ctx.chunk_plan.parts()) if compiled else {}
+        if compiled:
+            step = dict(engine_kv=ctx.kv, engine_slots=ctx.slots)
+            if ctx.backend == "kernel":
+                step["engine_rows"] = ctx.kernel_tensors
+            else:
+                step["engine_plan"] = ctx.chunk_plan.parts()
         attention.set_context(ctx)
         try:
             input_ids = upload([ids], torch.long, self.device)

@@ -1,14 +1,16 @@
 """Paged attention as registered operators, so a compiled forward pass calls it without a graph break.
 
 `supportbot::paged_decode` writes a decode step's K/V into the pool and attends every row in place through the
-Triton kernels; `supportbot::paged_chunks` does the same for an eager step's chunks. Each declares that it
-writes the pool, so the compiler orders it after earlier writes and updates the pool in place (no copy of the
+Triton kernels; `supportbot::paged_chunks` does the same for an eager step's chunks; `supportbot::paged_kernel`
+does it for any CPU step through the C kernel (paged_attention.c). Each declares that it writes the pool, so the compiler orders it after earlier writes and updates the pool in place (no copy of the
 pool is made; tests/test_compiled.py reads the generated code).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .. import native
 
 
 @torch.library.custom_op("supportbot::paged_decode", mutates_args=("kv",))
@@ -49,3 +51,38 @@ def paged_chunks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Te
 @paged_chunks.register_fake
 def _(q, k, v, kv, layer, slots, tables, seq_row, seq_len, seq_ctx, tile_seq, tile_first, scale):
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+@torch.library.custom_op("supportbot::paged_kernel", mutates_args=("kv",))
+def paged_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
+                 slots: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """A CPU step through the C kernel, float32: q [heads, tokens, d], k and v [kv_heads, tokens, d] ->
+    [tokens, heads, d]; per token its sequence (row_seq, int32) and position (row_pos, int32), per sequence its
+    block table (tables [seqs, width], int32), as paged.build_context lays them out for the kernel."""
+    return kernel_step(q, k, v, kv[0, layer], kv[1, layer], slots, row_seq, row_pos, tables,
+                       int(row_pos.max()) + 1, scale)
+
+
+@paged_kernel.register_fake
+def _(q, k, v, kv, layer, slots, row_seq, row_pos, tables, scale):
+    return q.new_empty(q.shape[1], q.shape[0], q.shape[2])
+
+
+def kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                slots: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor,
+                max_context: int, scale: float) -> torch.Tensor:
+    """One C call for a step's layer: writes k, v [kv_heads, tokens, d] at `slots` and attends every query row
+    (q [heads, tokens, d]) over its sequence's blocks; [tokens, heads, d] out."""
+    heads, tokens, d = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    kv_heads, num_blocks, block_size, _ = k_cache.shape
+    out = torch.empty(tokens, heads, d, dtype=q.dtype)
+    rc = native.load().paged_attention_f32(
+        q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), k.stride(1), k.stride(0),
+        v.data_ptr(), v.stride(1), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
+        heads, kv_heads, d, slots.data_ptr(), tokens, row_seq.data_ptr(), row_pos.data_ptr(), tables.data_ptr(),
+        tables.shape[1], max_context, scale, out.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"paged-attention kernel refused {heads} query heads over {kv_heads} KV heads")
+    return out

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import native
-from . import flex
+from . import flex, ops
 from ..transfer import upload
 
 ATTN_NAME = "engine_paged"
@@ -80,9 +80,10 @@ class StepContext:
     prefill_block_mask: object | None = None     # every prefill chunk (flex), those with a cached prefix (gather)
     prefill_rows: torch.Tensor | None = None     # gather in place: the rows prefill_block_mask covers
     prefills: list[PrefillChunk] = field(default_factory=list)
-    # kernel backend: per-row sequence index and position, block tables, and the C call's step arguments
+    # kernel backend: per-row sequence index and position (int32), block tables [seqs, width] (int32), the longest
+    # context
     kernel_tensors: tuple[torch.Tensor, ...] = ()
-    kernel_args: tuple = ()
+    kernel_max_context: int = 0
     # triton backend: decode rows of a static-buffer step (block tables, context lengths, context splits), or an
     # eager step's sequences and query tiles
     decode_tables: torch.Tensor | None = None
@@ -149,7 +150,8 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
                   least: int = 1) -> StepContext:
     """`paged`: device buffers for block tables (ModelRunner keeps them), for the flex backend, and for the
     gather backend where it reads cached context in place (without them it copies contexts out). least: the
-    triton backend's plan padded to at least this many sequences (paged_triton.plan)."""
+    triton backend's plan padded to at least this many sequences (paged_triton.plan), the kernel backend's block
+    tables to at least this many columns."""
     device = kv.device
     ctx = StepContext(kv=kv, slots=upload(slots, torch.long, device), backend=backend, num_decodes=num_decodes)
     if backend == "triton":
@@ -168,13 +170,12 @@ def build_context(backend: str, kv: torch.Tensor, slots: list[int], spans: list[
         for i, s in enumerate(spans):
             row_seq += [i] * s.length
             row_pos += range(s.context - s.length, s.context)
-        width = max(-(-s.context // block_size) for s in spans)
+        width = max(least, *(-(-s.context // block_size) for s in spans))
         tables = torch.tensor(padded_tables([s.table for s in spans], width), dtype=torch.int32)
         row_seq_t = torch.tensor(row_seq, dtype=torch.int32)
         row_pos_t = torch.tensor(row_pos, dtype=torch.int32)
         ctx.kernel_tensors = (row_seq_t, row_pos_t, tables)
-        ctx.kernel_args = (ctx.slots.data_ptr(), len(slots), row_seq_t.data_ptr(), row_pos_t.data_ptr(),
-                           tables.data_ptr(), width, max(s.context for s in spans))
+        ctx.kernel_max_context = max(s.context for s in spans)
         return ctx
     decodes = spans[:num_decodes]
     if decodes:
@@ -221,6 +222,8 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
         return _decode_op(q, k, v, module.layer_idx, scaling, kwargs).unsqueeze(0), None
     if "engine_plan" in kwargs:
         return _chunks_op(q, k, v, module.layer_idx, scaling, kwargs).unsqueeze(0), None
+    if "engine_rows" in kwargs:
+        return _kernel_op(q, k, v, module.layer_idx, scaling, kwargs).unsqueeze(0), None
     ctx: StepContext = _local.ctx
     if ctx.backend == "kernel":
         out = _kernel_attention(q, k, v, ctx, module.layer_idx, scaling)
@@ -235,19 +238,10 @@ def paged_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Ten
 
 def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
                       scaling: float | None) -> torch.Tensor:
-    heads, tokens, d = q.shape
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    k_cache, v_cache = ctx.kv[0, layer], ctx.kv[1, layer]
-    kv_heads, num_blocks, block_size, _ = k_cache.shape
-    out = torch.empty(tokens, heads, d, dtype=q.dtype)
-    scale = d ** -0.5 if scaling is None else scaling
-    rc = native.load().paged_attention_f32(
-        q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), k.stride(1), k.stride(0),
-        v.data_ptr(), v.stride(1), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
-        heads, kv_heads, d, *ctx.kernel_args, scale, out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"paged-attention kernel refused {heads} query heads over {kv_heads} KV heads")
-    return out
+    row_seq, row_pos, tables = ctx.kernel_tensors
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return ops.kernel_step(q, k, v, ctx.kv[0, layer], ctx.kv[1, layer], ctx.slots, row_seq, row_pos, tables,
+                       ctx.kernel_max_context, scale)
 
 
 def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,
@@ -268,8 +262,6 @@ def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
 def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float | None,
                step: dict) -> torch.Tensor:
     """Decode rows through the registered operator (ops.py), which a compiled forward calls without a break."""
-    from . import ops  # noqa: F401  (registers torch.ops.supportbot)
-
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     return torch.ops.supportbot.paged_decode(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              step["engine_kv"], layer, step["engine_slots"], step["engine_tables"],
@@ -279,12 +271,18 @@ def _decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, sc
 def _chunks_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float | None,
                step: dict) -> torch.Tensor:
     """An eager step's spans through the registered operator (ops.py)."""
-    from . import ops  # noqa: F401  (registers torch.ops.supportbot)
-
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     plan = step["engine_plan"]
     return torch.ops.supportbot.paged_chunks(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
                                              step["engine_kv"], layer, step["engine_slots"], *plan, scale)
+
+
+def _kernel_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int, scaling: float | None,
+               step: dict) -> torch.Tensor:
+    """A CPU step through the C kernel's registered operator (ops.py)."""
+    scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+    return torch.ops.supportbot.paged_kernel(q, k, v, step["engine_kv"], layer, step["engine_slots"],
+                                             *step["engine_rows"], scale)
 
 
 def _write(k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,9 @@ original linears keep their weights as views of that matrix (no copy is held) an
 `unmerge_linears`. Eagerly a member multiplies by its own rows of the stack, as the linear did. Compiling, every
 member of a set multiplies by the whole stack and takes its columns; the identical products are then one
 (`StackedMatmuls`, a pass over the compiled graph), so a layer runs one matmul for q, k and v and one for gate
-and up: fewer launches, and the weights read in one pass at small row counts.
+and up: fewer launches, and the weights read in one pass at small row counts. w8a8's linears are stacked already
+(weights/quantised.Int8Matmul): compiling, each member asks for the whole product through its registered operator,
+and the same pass keeps one call.
 """
 
 from __future__ import annotations
@@ -83,7 +85,10 @@ class StackedMatmuls:
     PURE = ("mm", "addmm", "permute", "t", "view", "_unsafe_view", "reshape", "expand")
 
     def __call__(self, graph: torch.fx.Graph) -> None:
+        from . import quantised  # noqa: F401  (registers supportbot::w8a8_matmul, a pure product too)
+
         targets = {getattr(torch.ops.aten, name).default for name in self.PURE}
+        targets.add(torch.ops.supportbot.w8a8_matmul.default)
         seen: dict = {}
         for node in list(graph.nodes):
             if node.op != "call_function" or node.target not in targets:
@@ -96,7 +101,7 @@ class StackedMatmuls:
                 seen[key] = node
 
     def uuid(self) -> str:
-        return "supportbot-stacked-matmuls-1"
+        return "supportbot-stacked-matmuls-2"
 
 
 def _frozen(value):

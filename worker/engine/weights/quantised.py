@@ -245,45 +245,74 @@ class Int8Matmul(nn.Module):
         return held.result if len(self.columns) == 1 else held.result[..., start:end]
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        flat = flat if flat.dtype == torch.float32 else flat.float()
-        lib = native.load_int8_rows() if self.row_kernels else None
-        if lib is None:
-            codes, row_scales = quantize_rows(flat)
-            # int32 sums of int8 products are exact: the only rounding is this per-element scaling.
-            out = torch._int_mm(codes, self.plain_codes_t()) * (row_scales * self.scales)
-        else:   # the same arithmetic in C, bit for bit (tested), at a fraction of the ops' cost
-            flat = flat if flat.stride(-1) == 1 else flat.contiguous()
-            rows, cols = flat.shape
-            threads = torch.get_num_threads()
-            codes = torch.empty(rows, cols, dtype=torch.int8)
-            row_scales = torch.empty(rows, 1)
-            lib.quantize_rows_s8(flat.data_ptr(), rows, cols, flat.stride(0), codes.data_ptr(),
-                                 row_scales.data_ptr(), threads)
-            n = self.scales.shape[0]
-            out = torch.empty(rows, n)
-            if self.kernel == "amx" or (self.kernel == "vnni" and rows <= VNNI_ROWS):
-                shifted = torch.empty((rows + 15) // 16 * 16 * cols, dtype=torch.uint8)
-                run = lib.matmul_amx_s8 if self.kernel == "amx" else lib.matmul_vnni_s8
-                run(codes.data_ptr(), rows, cols, n, self.tiles.data_ptr(), self.shift.data_ptr(),
-                    row_scales.data_ptr(), self.scales.data_ptr(), out.data_ptr(), shifted.data_ptr(), threads)
-            else:
-                acc = torch._int_mm(codes, self.plain_codes_t())
-                lib.scale_rows_cols(acc.data_ptr(), rows, n, row_scales.data_ptr(), self.scales.data_ptr(),
-                                    out.data_ptr(), threads)
-        if self.bias is not None:
-            out += self.bias
-        out = out if x.dtype == torch.float32 else out.to(x.dtype)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
-
+        return int8_matmul(x, self.kernel or "", self.tiles, self.shift, self.codes_t, self.scales, self.bias,
+                           self.row_kernels)
 
     def plain_codes_t(self) -> torch.Tensor:
         """The codes as [K, N], torch._int_mm's right-hand layout (read back from the tiles where only they are
         kept)."""
-        if self.codes_t is not None:
-            return self.codes_t
-        n, k = self.scales.shape[0], self.in_features
-        return self.tiles.view(n // 16, k // 4, 16, 4).permute(1, 3, 0, 2).reshape(k, n)
+        return _plain_codes_t(self.tiles, self.codes_t, self.scales.shape[0], self.in_features)
+
+    def compiled(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole product through the registered operator, which a compiled forward calls without a break
+        (every member asks for it; merged.StackedMatmuls keeps one call)."""
+        return torch.ops.supportbot.w8a8_matmul(x, self.kernel or "", self.tiles, self.shift, self.codes_t,
+                                                self.scales, self.bias, self.row_kernels)
+
+
+def _plain_codes_t(tiles: torch.Tensor | None, codes_t: torch.Tensor | None, n: int, k: int) -> torch.Tensor:
+    if codes_t is not None:
+        return codes_t
+    return tiles.view(n // 16, k // 4, 16, 4).permute(1, 3, 0, 2).reshape(k, n)
+
+
+def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift: torch.Tensor | None,
+                codes_t: torch.Tensor | None, scales: torch.Tensor, bias: torch.Tensor | None,
+                row_kernels: bool = True) -> torch.Tensor:
+    """x [..., K] times int8 weights (laid out in tiles for `kernel` "amx" or "vnni", else codes_t [K, N]), each row
+    of x quantised to int8 on the way in; [..., N] in x's dtype."""
+    n, in_features = scales.shape[0], x.shape[-1]
+    flat = x.reshape(-1, in_features)
+    flat = flat if flat.dtype == torch.float32 else flat.float()
+    lib = native.load_int8_rows() if row_kernels else None
+    if lib is None:
+        codes, row_scales = quantize_rows(flat)
+        # int32 sums of int8 products are exact: the only rounding is this per-element scaling.
+        out = torch._int_mm(codes, _plain_codes_t(tiles, codes_t, n, in_features)) * (row_scales * scales)
+    else:   # the same arithmetic in C, bit for bit (tested), at a fraction of the ops' cost
+        flat = flat if flat.stride(-1) == 1 else flat.contiguous()
+        rows, cols = flat.shape
+        threads = torch.get_num_threads()
+        codes = torch.empty(rows, cols, dtype=torch.int8)
+        row_scales = torch.empty(rows, 1)
+        lib.quantize_rows_s8(flat.data_ptr(), rows, cols, flat.stride(0), codes.data_ptr(),
+                             row_scales.data_ptr(), threads)
+        out = torch.empty(rows, n)
+        if kernel == "amx" or (kernel == "vnni" and rows <= VNNI_ROWS):
+            shifted = torch.empty((rows + 15) // 16 * 16 * cols, dtype=torch.uint8)
+            run = lib.matmul_amx_s8 if kernel == "amx" else lib.matmul_vnni_s8
+            run(codes.data_ptr(), rows, cols, n, tiles.data_ptr(), shift.data_ptr(),
+                row_scales.data_ptr(), scales.data_ptr(), out.data_ptr(), shifted.data_ptr(), threads)
+        else:
+            acc = torch._int_mm(codes, _plain_codes_t(tiles, codes_t, n, in_features))
+            lib.scale_rows_cols(acc.data_ptr(), rows, n, row_scales.data_ptr(), scales.data_ptr(),
+                                out.data_ptr(), threads)
+    if bias is not None:
+        out += bias
+    out = out if x.dtype == torch.float32 else out.to(x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("supportbot::w8a8_matmul", mutates_args=())
+def _w8a8_op(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift: torch.Tensor | None,
+             codes_t: torch.Tensor | None, scales: torch.Tensor, bias: torch.Tensor | None,
+             row_kernels: bool) -> torch.Tensor:
+    return int8_matmul(x, kernel, tiles, shift, codes_t, scales, bias, row_kernels)
+
+
+@_w8a8_op.register_fake
+def _(x, kernel, tiles, shift, codes_t, scales, bias, row_kernels):
+    return x.new_empty(*x.shape[:-1], scales.shape[0])
 
 
 UNTILED = "torch._int_mm"   # w8a8 matmuls that no tile kernel takes
@@ -331,6 +360,9 @@ class W8A8Linear(nn.Module):
         return [cls(matmul, i) for i in range(len(linears))]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            start, end = self.matmul.columns[self.member]
+            return self.matmul.compiled(x)[..., start:end]
         return self.matmul.forward(x, self.member)   # not through Module.__call__: nothing hooks the shared matmul
 
     def dequantized(self) -> torch.Tensor:

@@ -20,9 +20,23 @@ from tests.tiny_model import make_tiny_model_dir
 from worker.local_redis import start_redis
 from worker.model_loader import load_model, load_tokenizer
 
-torch.set_num_threads(max(1, torch.get_num_threads()))
+# Each pytest worker takes its share of the cores, and so do the processes its tests start (a stack's worker):
+# two workers of two threads each on two cores wait at every parallel op for each other's descheduled threads (a
+# real-model precision check took 44 s beside one busy process at two threads, 9 s at one).
+os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
+                                                 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))))
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 CHROMIUM = Path("/usr/bin/chromium")
+
+
+@pytest.fixture()
+def two_threads() -> Iterator[None]:
+    """The C kernels' parallel paths run even where this process's share of the cores is one thread."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(2, threads))
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

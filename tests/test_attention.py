@@ -71,7 +71,8 @@ COMPILED = ("gather-in-place", "flex")   # FlexAttention: each shape is a compil
                          [pytest.param("kernel", *shape, marks=needs_kernel) for shape in KERNEL_SHAPES]
                          + [("gather", *shape) for shape in SHAPES]
                          + [(b, *shape) for b in COMPILED for shape in SHAPES[:2]])
-def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size):
+def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_heads, head_dim, block_size,
+                                                             two_threads):
     """gather-in-place: the gather backend with block tables, as on CUDA: decode rows and the chunks with a
     cached prefix read the pool in place, only the chunks with nothing cached go to SDPA."""
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
@@ -337,7 +338,7 @@ def test_warming_the_prefill_form_leaves_nothing_to_compile_for_chunks_over_a_ca
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", KERNEL_SHAPES)
 def test_the_kernel_reference_gives_each_row_the_bits_it_gets_in_any_packed_paged_step(heads, kv_heads, head_dim,
-                                                                                     block_size):
+                                                                                     block_size, two_threads):
     """`generate` on KERNEL_REFERENCE attends a whole prompt at once, then one row per step, over a contiguous
     cache; the engine packs chunks and decodes of many sequences over shuffled blocks. Each row's bits agree."""
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads + 1)

@@ -260,7 +260,7 @@ def test_quantize_model_w8a8_groups_attention_and_mlp_inputs(tiny):
 
 
 @pytest.mark.skipif(native.load_int8_rows() is None, reason="no C compiler for the w8a8 row kernels")
-def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
+def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit(two_threads):
     """The C quantiser and scaler (int8_rows.c) against the torch ops they replace: rows of every magnitude, a row
     of zeros, exact halves (rounded to even), strided rows, and enough rows to run on several threads."""
     torch.manual_seed(5)
@@ -281,7 +281,7 @@ def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit():
 
 
 @pytest.mark.parametrize("kernel", ["amx", "vnni"])
-def test_w8a8_tile_kernels_give_torch_ops_results_bit_for_bit(kernel):
+def test_w8a8_tile_kernels_give_torch_ops_results_bit_for_bit(kernel, two_threads):
     """The AMX and AVX512-VNNI tile kernels (int8_rows.c) against torch._int_mm and the torch ops, for every row
     count a tile meets (a block of 16 rows, a part block, several blocks, groups of four blocks and beyond)."""
     if kernel not in native.int8_tile_kernels():

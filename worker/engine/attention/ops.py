@@ -2,8 +2,9 @@
 
 `supportbot::paged_decode` writes a decode step's K/V into the pool and attends every row in place through the
 Triton kernels; `supportbot::paged_chunks` does the same for an eager step's chunks; `supportbot::paged_kernel`
-does it for any CPU step through the C kernel (paged_attention.c). Each declares that it writes the pool, so the compiler orders it after earlier writes and updates the pool in place (no copy of the
-pool is made; tests/test_compiled.py reads the generated code).
+does it for any CPU step through the C kernel (paged_attention.c). Each declares that it writes the pool, so the
+compiler orders it after earlier writes and updates the pool in place (no copy of the pool is made;
+tests/test_compiled.py reads the generated code).
 """
 
 from __future__ import annotations

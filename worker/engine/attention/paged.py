@@ -241,7 +241,7 @@ def _kernel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: St
     row_seq, row_pos, tables = ctx.kernel_tensors
     scale = q.shape[-1] ** -0.5 if scaling is None else scaling
     return ops.kernel_step(q, k, v, ctx.kv[0, layer], ctx.kv[1, layer], ctx.slots, row_seq, row_pos, tables,
-                       ctx.kernel_max_context, scale)
+                           ctx.kernel_max_context, scale)
 
 
 def _triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: StepContext, layer: int,

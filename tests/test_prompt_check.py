@@ -11,7 +11,6 @@ from messaging.prompt_form import PromptForm
 from messaging.prompts import TemplateOptions
 from tests.test_prompts import HISTORY, LOOKUP, ROLE_CHECK, TOOL_TEMPLATE
 from webapp.prompt_check import Model
-from worker.engine import InvalidRequestError
 from worker.model_loader import load_tokenizer
 from worker.prompts import prompt_form, render, text_ids
 

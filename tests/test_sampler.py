@@ -255,7 +255,6 @@ def test_different_seeds_give_different_samples() -> None:
 
 
 def test_uniforms_are_uniform_and_independent_across_positions_and_seeds() -> None:
-    seeds = torch.arange(0, 400, dtype=torch.int64).repeat_interleave(250)
     positions = torch.arange(250, dtype=torch.int64).repeat(400)
     keys = [seed_keys(int(s)) for s in range(400)]
     key_a = torch.tensor([a for a, _ in keys]).repeat_interleave(250)

@@ -20,12 +20,18 @@ from tests.tiny_model import make_tiny_model_dir
 from worker.local_redis import start_redis
 from worker.model_loader import load_model, load_tokenizer
 
-# Each pytest worker takes its share of the cores, and so do the processes its tests start (a stack's worker):
-# two workers of two threads each on two cores wait at every parallel op for each other's descheduled threads (a
-# real-model precision check took 44 s beside one busy process at two threads, 9 s at one).
-os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1)
-                                                 // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1))))
-torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+def pytest_configure(config) -> None:
+    """Each pytest worker takes its share of the cores, and so do the processes its tests start (a stack's worker):
+    two workers of two threads each on two cores wait at every parallel op for each other's descheduled threads (a
+    real-model precision check took 44 s beside one busy process at two threads, 9 s at one). An OMP_NUM_THREADS
+    set outside is kept; a run without workers keeps torch's own default."""
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:   # no workers, or their controller (whose environment they inherit)
+        return
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // workerinput["workercount"])))
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 CHROMIUM = Path("/usr/bin/chromium")
 

@@ -16,6 +16,8 @@
                   `messages` is empty
     echo          /v1/completions: the final event carries the prompt's text (and its log-probabilities when
                   params.prompt_logprobs is set)
+    tokens_as_ids     log-probabilities name each token "token_id:N" (vLLM's return_tokens_as_token_ids)
+    token_ids     the final event carries the prompt's token ids and each choice's (vLLM's return_token_ids)
     http_request_id   an API request's x-request-id (the client's own, or the web app's), for the worker's logs
 """
 
@@ -25,6 +27,7 @@ from messaging.contract import DEFAULT_CLASS
 
 STRUCTURE, TOOLS, PROMPT, ECHO, TEMPLATE = "structure", "tools", "prompt", "echo", "template"
 TOKENS_AS_IDS = "tokens_as_ids"   # log-probabilities name each token "token_id:N" (vLLM's return_tokens_as_token_ids)
+TOKEN_IDS = "token_ids"   # the final event carries the prompt's and each choice's token ids (vLLM's return_token_ids)
 HTTP_REQUEST_ID = "http_request_id"
 
 
@@ -34,8 +37,9 @@ def service_class(job: dict) -> str:
 
 
 def replayable(job: dict) -> bool:
-    """Whether a stored answer can be shown again as it is: one choice, no log-probabilities (SQL keeps neither).
+    """Whether a stored answer can be shown again as it is: one choice, no log-probabilities, no token ids (SQL keeps
+    none of them).
     Other requests are generated again on redelivery, to the same tokens (their seed is fixed at acceptance)."""
     params = job.get("params") or {}
     return params.get("n", 1) == 1 and params.get("logprobs") is None and params.get("prompt_logprobs") is None \
-        and not job.get(ECHO)
+        and not job.get(ECHO) and not job.get(TOKEN_IDS)

@@ -227,6 +227,34 @@ def test_vllms_tokens_as_ids_name_every_logprob_token_by_its_id(client, tokenize
     assert all(k.startswith("token_id:") for top in scored.logprobs.top_logprobs[1:] for k in top)
 
 
+def test_vllms_return_token_ids_give_the_prompts_and_each_choices_ids(client, tokenizer):
+    request = dict(model="any", messages=MESSAGES, temperature=0, max_tokens=12, extra_body={"return_token_ids": True})
+    whole = client.chat.completions.create(**request).model_dump()
+    choice = whole["choices"][0]
+    assert tokenizer.decode(choice["token_ids"], skip_special_tokens=True) == choice["message"]["content"]
+    assert len(choice["token_ids"]) == whole["usage"]["completion_tokens"]
+    assert len(whole["prompt_token_ids"]) == whole["usage"]["prompt_tokens"]
+    assert tokenizer.decode(whole["prompt_token_ids"]).count(MESSAGES[-1]["content"]) == 1
+    # A stream: the ids add up to the whole answer's; they and the prompt's come with the choice's end.
+    chunks = [c.model_dump() for c in client.chat.completions.create(**request, stream=True)]
+    assert [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids") or []] == choice["token_ids"]
+    assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [whole["prompt_token_ids"]]
+    # Not asked: none of them.
+    plain = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=4).model_dump()
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+    # Completions carry the prompt's ids on each choice: a list of prompts, each its own.
+    prompts = [tokenizer("Where is my parcel?")["input_ids"], tokenizer("Hello")["input_ids"]]
+    batch = client.completions.create(model="any", prompt=prompts, max_tokens=3, temperature=0,
+                                      extra_body={"return_token_ids": True}).model_dump()
+    assert [c["prompt_token_ids"] for c in batch["choices"]] == prompts
+    assert all(tokenizer.decode(c["token_ids"], skip_special_tokens=True) == c["text"] for c in batch["choices"])
+    streamed = [c.model_dump() for c in client.completions.create(model="any", prompt=prompts[0], max_tokens=3,
+                                                                 temperature=0, stream=True,
+                                                                 extra_body={"return_token_ids": True})]
+    ends = [ch for c in streamed for ch in c["choices"] if ch.get("finish_reason")]
+    assert [(e["prompt_token_ids"], e["token_ids"]) for e in ends] == [(prompts[0], batch["choices"][0]["token_ids"])]
+
+
 def test_n_choices_whole_and_streamed(client):
     request = dict(model="any", messages=MESSAGES, n=3, max_tokens=10, seed=21, temperature=1.0)
     reply = client.chat.completions.create(**request)

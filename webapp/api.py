@@ -352,7 +352,7 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
     messages = parse_messages(body)
     logprobs = api_params.chat_logprobs(body)
     generation = api_params.sampling(body, current_app.config["MAX_NEW_TOKENS"], logprobs=logprobs)
-    extra: dict = api_params.token_names(body)
+    extra: dict = {**api_params.token_names(body), **api_params.token_ids(body)}
     use = api_params.tool_use(body)
     structure = api_params.response_format(body)
     guided = api_params.structured_outputs(body)
@@ -374,7 +374,8 @@ def read_chat(body: dict, model: str, include_usage: bool) -> Request:
         extra[jobs.STRUCTURE] = structure.to_json()
     shape = api_answers.Shape(model, tools=use.offered, forced=use.forces,
                               named=use.choice == "function",
-                              logprobs=logprobs is not None, include_usage=include_usage)
+                              logprobs=logprobs is not None, include_usage=include_usage,
+                              token_ids=bool(body.get("return_token_ids")))
     return Request(messages, generation, extra, shape)
 
 
@@ -404,12 +405,14 @@ def read_completion(body: dict, model: str, include_usage: bool) -> Request:
     # No answer at all (max_tokens 0) only scores the prompt, which the client sees through echo.
     generation = api_params.sampling(body, LEGACY_MAX_TOKENS, min_max_tokens=0 if echo else 1, logprobs=logprobs,
                                      score_prompt=echo)
-    extra = {jobs.PROMPT: prompts[0], **({jobs.ECHO: True} if echo else {}), **api_params.token_names(body)}
+    extra = {jobs.PROMPT: prompts[0], **({jobs.ECHO: True} if echo else {}), **api_params.token_names(body),
+             **api_params.token_ids(body)}
     structure = api_params.structured_outputs(body)
     if structure is not None:
         extra[jobs.STRUCTURE] = structure.to_json()
-    return Request([], generation, extra, api_answers.Shape(model, logprobs=logprobs is not None, echo=echo,
-                                                        include_usage=include_usage), prompts[1:])
+    shape = api_answers.Shape(model, logprobs=logprobs is not None, echo=echo, include_usage=include_usage,
+                              token_ids=bool(body.get("return_token_ids")))
+    return Request([], generation, extra, shape, prompts[1:])
 
 
 def check_prompt(request: Request) -> None:

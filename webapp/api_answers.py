@@ -23,6 +23,7 @@ class Shape:
     logprobs: bool = False    # chat: choices carry logprobs.content; completions: the legacy logprobs
     echo: bool = False        # completions: the prompt comes before the answer
     include_usage: bool = False
+    token_ids: bool = False   # vLLM's return_token_ids: the prompt's token ids and each choice's
     response: dict | None = None   # the Responses API: the request's fields its Response repeats
 
 
@@ -45,6 +46,13 @@ def stop_reason(choice: dict) -> str | int | None:
     """vLLM's stop_reason: the stop string or stop token id that ended the choice, null for anything else (EOS,
     the length cap, a call's end)."""
     return choice.get("stop_reason")
+
+
+def with_token_ids(choice: dict, ended: dict, shape: Shape) -> dict:
+    """A choice with its token ids, when the client asked (vLLM's return_token_ids)."""
+    if shape.token_ids:
+        choice["token_ids"] = ended.get("token_ids")
+    return choice
 
 
 def call_reason(shape: Shape) -> str:
@@ -112,22 +120,28 @@ def chat_completion(job: dict, shape: Shape, done: dict) -> dict:
             if calls:
                 message["tool_calls"] = [call.to_openai() for call in calls]
                 reason = call_reason(shape) if reason != "length" else reason
-        choices.append({"index": c["index"], "message": message,
-                        "logprobs": {"content": c.get("logprobs") or []} if shape.logprobs else None,
-                        "finish_reason": reason, "stop_reason": stop_reason(c)})
-    return {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion", "created": int(job["enqueued_at"]),
+        choices.append(with_token_ids({"index": c["index"], "message": message,
+                                       "logprobs": {"content": c.get("logprobs") or []} if shape.logprobs else None,
+                                       "finish_reason": reason, "stop_reason": stop_reason(c)}, c, shape))
+    body = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion", "created": int(job["enqueued_at"]),
             "model": shape.model, "choices": choices, "usage": usage(done)}
+    if shape.token_ids:
+        body["prompt_token_ids"] = done.get("prompt_token_ids")
+    return body
 
 
 def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
     def chunk(index: int | None, delta: dict | None, reason: str | None = None, logprobs: list | None = None,
-              usage_: dict | None = None, ended_by: dict | None = None) -> str:
+              usage_: dict | None = None, ended_by: dict | None = None, done: dict | None = None) -> str:
         body: dict = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
                       "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
         if index is not None:
             choice: dict = {"index": index, "delta": delta, "finish_reason": reason}
             if ended_by is not None:
                 choice["stop_reason"] = stop_reason(ended_by)
+                with_token_ids(choice, ended_by, shape)
+                if shape.token_ids:
+                    body["prompt_token_ids"] = done.get("prompt_token_ids")
             if shape.logprobs:
                 choice["logprobs"] = {"content": logprobs} if logprobs else None
             body["choices"] = [choice]
@@ -160,7 +174,7 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
                             yield chunk(i, delta.to_openai())
                         if parsers[i].calls and reason != "length":
                             reason = call_reason(shape)
-                    yield chunk(i, {}, reason, ended_by=c)
+                    yield chunk(i, {}, reason, ended_by=c, done=event)
                 if shape.include_usage:   # OpenAI's shape: a last chunk with no choices, only usage
                     yield chunk(None, None, usage_=usage(event))
                 return True
@@ -207,8 +221,12 @@ def completion(job: dict, shape: Shape, done: dict) -> dict:
             more = legacy_logprobs(c.get("logprobs") or [], len(prompt_text))
             for key in logprobs:
                 logprobs[key] += more[key]
-        choices.append({"index": c["index"], "text": prompt_text + c["text"], "logprobs": logprobs,
-                        "finish_reason": finish_reason(c["finish_reason"]), "stop_reason": stop_reason(c)})
+        choice = with_token_ids({"index": c["index"], "text": prompt_text + c["text"], "logprobs": logprobs,
+                                 "finish_reason": finish_reason(c["finish_reason"]), "stop_reason": stop_reason(c)},
+                                c, shape)
+        if shape.token_ids:   # vLLM's completions carry them on each choice
+            choice["prompt_token_ids"] = done.get("prompt_token_ids")
+        choices.append(choice)
     return {"id": f"cmpl-{job['request_id']}", "object": "text_completion", "created": int(job["enqueued_at"]),
             "model": shape.model, "choices": choices, "usage": usage(done)}
 
@@ -218,13 +236,16 @@ def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterat
     its log-probabilities), which comes with choice 0's first delta; the end carries it too, for an answer with
     no tokens or a delta that was lost. A choice's tokens wait only until the prompt is known."""
     def chunk(index: int | None, text: str, logprobs: dict | None = None, reason: str | None = None,
-              usage_: dict | None = None, ended_by: dict | None = None) -> str:
+              usage_: dict | None = None, ended_by: dict | None = None, done: dict | None = None) -> str:
         body: dict = {"id": f"cmpl-{job['request_id']}", "object": "text_completion",
                       "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
         if index is not None:
             body["choices"] = [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}]
             if ended_by is not None:
                 body["choices"][0]["stop_reason"] = stop_reason(ended_by)
+                with_token_ids(body["choices"][0], ended_by, shape)
+                if shape.token_ids:
+                    body["choices"][0]["prompt_token_ids"] = done.get("prompt_token_ids")
         if usage_ is not None:
             body["usage"] = usage_
         return f"data: {json.dumps(body)}\n\n"
@@ -263,7 +284,7 @@ def completion_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterat
                     yield from deliver(waiting)
                 for c in choices_of(event):
                     yield from deliver({"event": "done", "index": c["index"]})
-                    yield chunk(c["index"], "", None, finish_reason(c["finish_reason"]), ended_by=c)
+                    yield chunk(c["index"], "", None, finish_reason(c["finish_reason"]), ended_by=c, done=event)
                 if shape.include_usage:
                     yield chunk(None, "", usage_=usage(event))
                 return True

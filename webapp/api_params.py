@@ -104,6 +104,11 @@ def token_names(body: dict) -> dict:
     return {jobs.TOKENS_AS_IDS: True} if body.get("return_tokens_as_token_ids") else {}
 
 
+def token_ids(body: dict) -> dict:
+    """The job field for vLLM's return_token_ids: the answer carries the prompt's token ids and each choice's."""
+    return {jobs.TOKEN_IDS: True} if body.get("return_token_ids") else {}
+
+
 def legacy_logprobs(body: dict) -> int | None:
     """/v1/completions' `logprobs`: an integer from 0 to 5 (alternatives per token); None: none."""
     value = body.get("logprobs")

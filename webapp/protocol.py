@@ -48,6 +48,7 @@ class CommonRequest(BaseModel):
     stop_token_ids: list[StrictInt] | None = None       # vLLM's
     include_stop_str_in_output: StrictBool | None = None   # vLLM's
     return_tokens_as_token_ids: StrictBool | None = None   # vLLM's: log-probabilities name tokens "token_id:N"
+    return_token_ids: StrictBool | None = None   # vLLM's: the prompt's and each choice's token ids
     n: StrictInt | None = None
     stream: StrictBool | None = None
     stream_options: StreamOptions | None = None

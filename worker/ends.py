@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from messaging.jobs import ECHO
+from messaging.jobs import ECHO, TOKEN_IDS
 from worker.engine import RequestFinished, TokenLogprob
 from worker.token_json import TokenJson
 
@@ -36,13 +36,18 @@ def combined(ends: list[RequestFinished]) -> RequestFinished:
 
 def api_fields(job: dict, ends: list[RequestFinished], tokens: TokenJson | None, prompt_text) -> dict:
     """What an API client's final event carries beyond the chat's: each choice (text, end, the stop string or token
-    that ended it, tokens, log-probabilities) and, for an echo, the prompt's text and log-probabilities."""
+    that ended it, tokens, log-probabilities, and when asked its token ids), the prompt's token ids when asked and,
+    for an echo, the prompt's text and log-probabilities."""
     tokens = tokens.for_job(job) if tokens is not None else None
     fields: dict = {"choices": [
         {"index": e.index, "text": e.text, "finish_reason": e.finish_reason, "completion_tokens": e.completion_tokens,
          "stop_reason": e.stop_reason,
          **({"logprobs": [tokens(x) for x in e.logprobs]} if e.logprobs is not None and tokens else {})}
         for e in ends]}
+    if job.get(TOKEN_IDS):   # vLLM's return_token_ids
+        for choice, e in zip(fields["choices"], ends):
+            choice["token_ids"] = e.token_ids
+        fields["prompt_token_ids"] = ends[0].prompt_token_ids
     if job.get(ECHO):
         first = ends[0]
         fields["prompt"] = echoed_prompt(prompt_text(first.prompt_token_ids), first.prompt_token_ids,

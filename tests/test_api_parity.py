@@ -239,6 +239,11 @@ def test_vllms_return_token_ids_give_the_prompts_and_each_choices_ids(client, to
     chunks = [c.model_dump() for c in client.chat.completions.create(**request, stream=True)]
     assert [i for c in chunks for ch in c["choices"] for i in ch.get("token_ids") or []] == choice["token_ids"]
     assert [c["prompt_token_ids"] for c in chunks if c.get("prompt_token_ids")] == [whole["prompt_token_ids"]]
+    # Two choices streamed: each its own ids, the prompt's once.
+    two = [c.model_dump() for c in client.chat.completions.create(**{**request, "n": 2}, stream=True)]
+    ends = [ch for c in two for ch in c["choices"] if ch.get("finish_reason")]
+    assert sorted(e["index"] for e in ends) == [0, 1] and all(e["token_ids"] == choice["token_ids"] for e in ends)
+    assert [c["prompt_token_ids"] for c in two if c.get("prompt_token_ids")] == [whole["prompt_token_ids"]]
     # Not asked: none of them.
     plain = client.chat.completions.create(model="any", messages=MESSAGES, temperature=0, max_tokens=4).model_dump()
     assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]

@@ -131,6 +131,8 @@ def chat_completion(job: dict, shape: Shape, done: dict) -> dict:
 
 
 def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str]:
+    prompt_sent = False   # the prompt's ids go once, top-level, with the first choice that ends
+
     def chunk(index: int | None, delta: dict | None, reason: str | None = None, logprobs: list | None = None,
               usage_: dict | None = None, ended_by: dict | None = None, done: dict | None = None) -> str:
         body: dict = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
@@ -140,8 +142,10 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
             if ended_by is not None:
                 choice["stop_reason"] = stop_reason(ended_by)
                 with_token_ids(choice, ended_by, shape)
-                if shape.token_ids:
+                nonlocal prompt_sent
+                if shape.token_ids and not prompt_sent:
                     body["prompt_token_ids"] = done.get("prompt_token_ids")
+                    prompt_sent = True
             if shape.logprobs:
                 choice["logprobs"] = {"content": logprobs} if logprobs else None
             body["choices"] = [choice]

@@ -58,14 +58,23 @@ def score(model, prompts: dict[str, list[int]], answers: dict[str, list[int]]) -
 
 @torch.inference_mode()
 def generate_alone(model, prompt: list[int], cap: int, tokenizer, attn: str = "sdpa") -> list[int]:
-    """Per-prompt `generate` with the model's attention set to `attn` (an implementation transformers knows)."""
+    """Per-prompt `generate` with the model's attention set to `attn` (an implementation transformers knows). On
+    the engine's attention arithmetic (KERNEL_REFERENCE) its layers are fused as the engine's are, where they are."""
+    from worker.engine import EngineConfig
+    from worker.engine.fused import FusedLayers, unfit_reason
+    from worker.engine.sizing import fused_for
+
     before = model.config._attn_implementation
     model.set_attn_implementation(attn)
+    fused = (FusedLayers(model, reference=True) if attn == attention.KERNEL_REFERENCE and fused_for(EngineConfig())
+             and unfit_reason(model) is None else None)
     try:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=cap, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     finally:
         model.set_attn_implementation(before)
+        if fused is not None:
+            fused.release()
     return cut(out[0, len(prompt):].tolist(), cap, eos_ids_of(model, tokenizer))
 
 

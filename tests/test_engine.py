@@ -11,6 +11,7 @@ import torch
 
 from worker.engine import attention, native
 from worker.engine.sampler import Sampler
+from worker.engine.fused import FusedLayers
 from worker.engine import (EngineConfig, InvalidParamsError, InvalidRequestError, LLMEngine, RequestFinished,
                            SamplingParams, TokenDelta)
 from worker.model_loader import load_model
@@ -204,8 +205,10 @@ def test_greedy_matches_generate_on_the_kernels_attention_on_the_real_model_at_e
     ref = load_model(weights=weights)[0]
     attention.register()
     ref.set_attn_implementation(attention.KERNEL_REFERENCE)
+    FusedLayers(ref, reference=True)   # the layers' elementwise work in the same C kernels as the engine's
     engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=5, max_num_batched_tokens=40, block_size=16,
                                                 attention_backend="kernel"))
+    assert engine.runner.fused is not None
     prompts = [chat_ids(tok, q) for q in QUESTIONS]
     caps = [40, 24, 32, 40, 16, 40, 24, 16]
     results: dict = {}

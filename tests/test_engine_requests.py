@@ -360,7 +360,10 @@ def test_prompt_logprobs_score_the_prompt_without_an_answer(tiny, ref_model):
             row = scores[position - 1]
             assert entry.token_id == ids[position]
             assert entry.logprob == pytest.approx(float(row[ids[position]]), abs=1e-4)
-            assert entry.rank == 1 + int((row > row[ids[position]]).sum())
+            # The reference's arithmetic differs from the engine's in the last bits: a logit within them of
+            # the token's may rank on either side.
+            x = float(row[ids[position]])
+            assert 1 + int((row > x + 1e-4).sum()) <= entry.rank <= 1 + int((row > x - 1e-4).sum())
             assert [t for t, _ in entry.top] == row.topk(3).indices.tolist()
     assert finals["a"].prompt_logprobs == finals["b"].prompt_logprobs
     assert len(ids) > 16   # the prompt took several chunks

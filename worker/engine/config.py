@@ -26,6 +26,8 @@ class EngineConfig:
     compile_layers: bool | None = None   # decoder layers compiled with torch.compile for steps with Triton
                                          # attention or the CPU's C kernel (compiled.py); None: $COMPILE_LAYERS,
                                          # else on for CUDA (off on CPU, where it measured no faster)
+    fused_layers: bool | None = None     # CPU steps through the C attention kernel run each layer's elementwise
+                                         # work in C (fused.py); None: $FUSED_LAYERS, else on where the layers fit
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
                                          # runs (engine.py); None: off (sizing.py)
     sampler_candidates: int | None = None  # CPU: top-k/top-p searched among this many best tokens first (0: the

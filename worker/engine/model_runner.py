@@ -14,6 +14,7 @@ from .attention import Span
 from .block_tables import RowOrder
 from .weights.packed import pack_linears, unpack_linears
 from .compiled import CompiledLayers
+from .fused import FusedLayers
 from .config import EngineConfig
 from .device import DecodeGraphs
 from .scheduler import Batch
@@ -95,6 +96,14 @@ class ModelRunner:
             except ValueError as exc:
                 self.not_compiled = str(exc)
                 log.warning("steps run the model uncompiled: %s", exc)
+        # CPU steps through the C attention kernel: each layer's elementwise work in C as well (fused.py)
+        self.fused: FusedLayers | None = None
+        if (self.compiled is None and self.attention_backend == "kernel" and self.device.type == "cpu"
+                and sizing.fused_for(config)):
+            try:
+                self.fused = FusedLayers(model)
+            except ValueError as exc:
+                log.info("decoder layers run the model's own code: %s", exc)
         # Static buffers and bucketed decode graphs: on by default on CUDA; on CPU only when asked
         # (enforce_eager=False), where they run eagerly.
         self.decode_graphs: DecodeGraphs | None = None
@@ -190,6 +199,8 @@ class ModelRunner:
         line += "; steps overlapped" if self.config.overlap_steps else "; steps not overlapped"
         if self.compiled_eager:
             line += "; eager steps compiled"
+        if self.fused is not None:
+            line += "; layers fused (C)"
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"
@@ -207,6 +218,8 @@ class ModelRunner:
         """Give the model back as it came: dense linears, its own layers' code and its own attention."""
         if self.compiled is not None:
             self.compiled.release()
+        if self.fused is not None:
+            self.fused.release()
         unpack_linears(self.model)
         self.model.set_attn_implementation(self.original_attn)
 

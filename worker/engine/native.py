@@ -1,4 +1,4 @@
-"""Builds the C kernels (paged attention, w8a8 row work) with the system compiler on first use, loads them by ctypes."""
+"""Builds the C kernels (attention, w8a8 rows, layer ops) with the system compiler on first use; loads them (ctypes)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "attention" / "paged_attention.c"
 INT8_SOURCE = Path(__file__).parent / "weights" / "int8_rows.c"
+LAYER_SOURCE = Path(__file__).parent / "layer_ops.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, row stride, codes, scales
@@ -29,6 +30,12 @@ INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x
                  "amx_ready": []}
 # 0: built without the instructions (or, for AMX, refused its tile state); the caller then takes another path
 INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, "amx_ready": ctypes.c_int}
+LAYER_ARGTYPES = {"rms_norm_f32": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],   # x, rows, cols, stride, w, eps, out
+                  # x, its stride, y, its stride, rows, cols, weight, eps, sum, out, threads
+                  "add_rms_norm_f32": [_P, _I64, _P, _I64, _I64, _I64, _P, _F32, _P, _P, _I32],
+                  # q, its stride, k, its stride, tokens, heads, kv heads, dim, cos, sin, q out, k out, threads
+                  "rotary_f32": [_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I32],
+                  "silu_mul_f32": [_P, _I64, _P, _I64, _I64, _I64, _P, _I32]}   # gate, up (and strides), rows...
 ARGTYPES = [_P, _I64, _I64,  _P, _I64, _I64,  _P, _I64, _I64,      # q, k, v and their token/head strides
             _P, _P, _I64, _I32,  _I32, _I32, _I32,                  # pool, num_blocks, block_size, heads
             _P, _I32,  _P, _P,  _P, _I32, _I32,                     # slots, rows, tables, max context
@@ -78,6 +85,18 @@ def load_int8_rows() -> ctypes.CDLL | None:
         for name, argtypes in INT8_ARGTYPES.items():
             getattr(lib, name).argtypes = argtypes
             getattr(lib, name).restype = INT8_RESTYPES.get(name)
+    return lib
+
+
+@cache
+def load_layer_ops() -> ctypes.CDLL | None:
+    """The compiled layer kernels (RMSNorm, rotary, SiLU-and-multiply), or None (logged): layers then run the
+    model's own code."""
+    lib = _build(LAYER_SOURCE, "layer kernels", "decoder layers run the model's own code")
+    if lib is not None:
+        for name, argtypes in LAYER_ARGTYPES.items():
+            getattr(lib, name).argtypes = argtypes
+            getattr(lib, name).restype = None
     return lib
 
 

@@ -84,6 +84,16 @@ def compile_for(config, device_type: str) -> bool:
     return env == "1" if env else device_type == "cuda"
 
 
+def fused_for(config) -> bool:
+    """EngineConfig.fused_layers as set, else $FUSED_LAYERS (0 or 1), else on."""
+    if config.fused_layers is not None:
+        return config.fused_layers
+    env = (os.environ.get("FUSED_LAYERS") or "").strip()
+    if env not in ("", "0", "1"):
+        raise ValueError(f"FUSED_LAYERS must be 1 or 0; got {env!r}.")
+    return env != "0"
+
+
 def overlap_for(config, device_type: str) -> bool:
     """EngineConfig.overlap_steps as set, else the device's default."""
     if config.overlap_steps is not None:

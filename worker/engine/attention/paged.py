@@ -99,6 +99,11 @@ def set_context(ctx: StepContext | None) -> None:
     _local.ctx = ctx
 
 
+def current_context() -> StepContext | None:
+    """The step this thread is running, None outside the engine's steps."""
+    return getattr(_local, "ctx", None)
+
+
 def triton_available() -> bool:
     """Triton imports (it comes with torch's CUDA builds; the CPU build runs without it)."""
     try:

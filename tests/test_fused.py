@@ -1,0 +1,160 @@
+"""Decoder layers with their elementwise work in C on CPU steps (worker/engine/fused.py, layer_ops.c): each kernel
+against transformers' expression, the engine's answers against `generate` on the same arithmetic, and the models
+and settings that keep the layers' own code."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers.models.llama import modeling_llama
+
+from worker.engine import EngineConfig, LLMEngine, SamplingParams, attention, native
+from worker.engine.fused import FusedLayers, unfit_reason
+from worker.engine.sizing import fused_for
+from worker.model_loader import load_model
+
+pytestmark = pytest.mark.skipif(native.load() is None or native.load_layer_ops() is None,
+                                reason="needs a C compiler for the attention and layer kernels")
+
+PROMPTS = [1, 7, 40, 3, 12]   # arriving a step apart: chunked prefills beside decodes, then one of a single token
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 200])   # 200 rows x 576 splits over the threads
+def test_rms_norm_and_the_residual_add_compute_llamas_rmsnorm(rows):
+    lib = native.load_layer_ops()
+    g = torch.Generator().manual_seed(rows)
+    wide = torch.randn(rows, 700, generator=g) * 3
+    x, y = wide[:, :576], torch.randn(rows, 576, generator=g)   # x's rows are strided, as a column slice's are
+    norm = modeling_llama.LlamaRMSNorm(576, eps=1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    out, total, summed = torch.empty(rows, 576), torch.empty(rows, 576), torch.empty(rows, 576)
+    lib.rms_norm_f32(x.data_ptr(), rows, 576, x.stride(0), norm.weight.data_ptr(), 1e-5, out.data_ptr(), 2)
+    with torch.no_grad():
+        assert close(out, norm(x))
+        lib.add_rms_norm_f32(x.data_ptr(), x.stride(0), y.data_ptr(), 576, rows, 576, norm.weight.data_ptr(), 1e-5,
+                             total.data_ptr(), summed.data_ptr(), 2)
+        assert torch.equal(total, x + y) and close(summed, norm(x + y))
+
+
+@pytest.mark.parametrize("tokens", [1, 9, 300])
+def test_rotary_rotates_queries_and_keys_as_transformers_does(tokens):
+    lib = native.load_layer_ops()
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, d = 9, 3, 64
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g)   # q and k are column slices of one result
+    q, k = qkv[:, :heads * d], qkv[:, heads * d:(heads + kv_heads) * d]
+    angles = torch.rand(tokens, d // 2, generator=g) * 100
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q_out, k_out = torch.empty(tokens, heads, d), torch.empty(tokens, kv_heads, d)
+    lib.rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), tokens, heads, kv_heads, d,
+                   cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), 2)
+    want_q, want_k = modeling_llama.apply_rotary_pos_emb(q.view(tokens, heads, d).transpose(0, 1)[None],
+                                                         k.reshape(tokens, kv_heads, d).transpose(0, 1)[None],
+                                                         cos[None], sin[None])
+    assert close(q_out, want_q[0].transpose(0, 1)) and close(k_out, want_k[0].transpose(0, 1))
+
+
+def test_silu_and_multiply_over_the_whole_float_range():
+    lib = native.load_layer_ops()
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 40, 1536   # 40 x 1536 splits over the threads
+    gate_up = torch.randn(rows, 2 * cols, generator=g) * 4
+    gate_up[0, :8] = torch.tensor([0.0, -0.0, 88.0, -88.0, 100.0, -100.0, 1e-30, -1e-30])
+    gate, up = gate_up[:, :cols], gate_up[:, cols:]
+    out = torch.empty(rows, cols)
+    lib.silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), rows, cols, out.data_ptr(), 2)
+    want = torch.nn.functional.silu(gate) * up
+    assert torch.isfinite(out).all() and torch.allclose(out, want, rtol=1e-5, atol=1e-6)
+
+
+def serve(engine: LLMEngine) -> dict[str, list[int]]:
+    """Greedy answers to prompts arriving a step apart, then one prompt of one token alone."""
+    results = {}
+
+    def step() -> None:
+        for event in engine.step():
+            if event.finished:
+                results[event.request_id] = event.token_ids
+
+    for i, length in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt_token_ids=list(range(5, 5 + length)),
+                           params=SamplingParams(temperature=0, max_new_tokens=8))
+        step()
+    while engine.has_unfinished():
+        step()
+    engine.add_request("alone", prompt_token_ids=[9], params=SamplingParams(temperature=0, max_new_tokens=4))
+    while engine.has_unfinished():
+        step()
+    return results
+
+
+def engine_for(model, tok, **options) -> LLMEngine:
+    return LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, num_blocks=64,
+                                              attention_backend="kernel", **options))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_engines_fused_layers_answer_as_generate_on_the_same_arithmetic(arch, tiny_model_dirs, monkeypatch):
+    from worker.engine import fused
+
+    calls = []
+    real = fused.fused_layer
+    monkeypatch.setattr(fused, "fused_layer", lambda *args: calls.append(1) or real(*args))
+    model, tok = load_model(str(tiny_model_dirs[arch]))
+    engine = engine_for(model, tok)
+    assert engine.runner.fused is not None and "layers fused" in engine.runner.describe_steps()
+    got = serve(engine)
+    layers = model.config.num_hidden_layers
+    assert calls and len(calls) % layers == 0
+    ref = load_model(str(tiny_model_dirs[arch]))[0]
+    attention.register()
+    ref.set_attn_implementation(attention.KERNEL_REFERENCE)
+    FusedLayers(ref, reference=True)
+    calls.clear()
+    for rid, ids, cap in [*((str(i), list(range(5, 5 + n)), 8) for i, n in enumerate(PROMPTS)), ("alone", [9], 4)]:
+        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=cap, do_sample=False)
+        assert got[rid] == out[0, len(ids):].tolist(), f"{arch} request {rid}"
+    assert calls, "the reference ran the model's own layers, not the fused ones"
+
+
+def test_outside_a_step_and_once_released_the_layers_are_the_models_own(tiny_model_dir):
+    model, tok = load_model(str(tiny_model_dir))
+    ids = torch.tensor([list(range(5, 25))])
+    want = model(ids).logits
+    engine = engine_for(model, tok)
+    serve(engine)
+    # A forward pass of its own (generate, a reference) while the engine holds the model: the model's code.
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(model(ids).logits, want)
+    engine.release_model()
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+
+
+def test_models_the_fused_layers_do_not_fit_keep_their_own_code(tiny_model_dirs, caplog):
+    for arch, why in (("qwen3", "Qwen3DecoderLayer are not fused"), ("gpt2", "no list of decoder layers")):
+        model, tok = load_model(str(tiny_model_dirs[arch]))
+        assert why in unfit_reason(model)
+        with caplog.at_level(logging.INFO, logger="worker.engine.model_runner"):
+            engine = engine_for(model, tok)
+        assert engine.runner.fused is None and why in caplog.text
+        assert serve(engine)   # answers all the same
+
+
+def test_fused_layers_follow_the_setting(tiny_model_dir, monkeypatch):
+    model, tok = load_model(str(tiny_model_dir))
+    assert engine_for(model, tok, fused_layers=False).runner.fused is None
+    monkeypatch.setenv("FUSED_LAYERS", "0")
+    assert not fused_for(EngineConfig())
+    assert fused_for(EngineConfig(fused_layers=True))
+    monkeypatch.setenv("FUSED_LAYERS", "yes")
+    with pytest.raises(ValueError, match="FUSED_LAYERS must be 1 or 0"):
+        fused_for(EngineConfig())
+    monkeypatch.delenv("FUSED_LAYERS")
+    assert fused_for(EngineConfig())

@@ -1,0 +1,152 @@
+"""Decoder layers of CPU steps with their elementwise work in C (layer_ops.c) between the model's own linears.
+
+A Llama-style layer runs about 40 torch ops besides its matmuls and attention: RMSNorm alone is six, rotary ten,
+each a dispatch of a few microseconds on a tensor of a few kilobytes. Here each layer of a step through the C
+attention kernel runs its linears as the model holds them (packed, w8a8, int4...), and between them four C calls:
+RMSNorm, rotary, the residual add with the second RMSNorm, and SiLU-and-multiply. Called outside such a step
+(`generate`, other backends) a layer runs the model's own code. The answers are the model's own up to float32
+rounding (the order of RMSNorm's sum, SiLU's exponential), which tests/test_fused.py bounds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from . import attention, native
+from .attention import current_context, ops
+from .compiled import decoder_layers
+
+# Decoder layers whose forward is Llama's: pre-norm RMSNorm, rotary on every head dimension, SiLU-gated MLP.
+LAYER_KINDS = frozenset(("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"))
+
+
+def unfit_reason(model) -> str | None:
+    """Why this model's layers cannot run fused here, or None when they can."""
+    layers = decoder_layers(model)
+    if layers is None:
+        return f"{type(model).__name__} has no list of decoder layers (model.model.layers)"
+    kinds = {type(layer).__name__ for layer in layers}
+    if not kinds <= LAYER_KINDS:
+        return f"decoder layers of kind {', '.join(sorted(kinds - LAYER_KINDS))} are not fused (Llama's only)"
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"the MLP's activation is {getattr(config, 'hidden_act', None)!r}, not SiLU"
+    layer = layers[0]
+    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in
+           (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)):
+        return "the layers' norms are not float32 on the CPU"
+    if native.load_layer_ops() is None:
+        return "the layer kernels did not build (no C compiler)"
+    return None
+
+
+class FusedLayers:
+    """Swaps each decoder layer's forward for the fused one while held; `release` puts the model back.
+
+    reference: also fuse the layers of `generate` on a model set to attention.KERNEL_REFERENCE, so that it computes
+    exactly what the engine's fused steps compute (tests compare the two token for token)."""
+
+    def __init__(self, model, reference: bool = False) -> None:
+        reason = unfit_reason(model)
+        if reason is not None:
+            raise ValueError(reason)
+        self.lib = native.load_layer_ops()
+        self.layers = decoder_layers(model)
+        self.reference = reference
+        for layer in self.layers:
+            layer.forward = self._forward_of(layer)
+
+    def _forward_of(self, layer):
+        eager = layer.forward
+        lib = self.lib
+        attn = layer.self_attn
+
+        def forward(hidden_states, *args, position_embeddings=None, **kwargs):
+            if (position_embeddings is None or hidden_states.dtype != torch.float32 or hidden_states.shape[0] != 1
+                    or position_embeddings[0].shape[-1] != attn.head_dim):   # partial rotary: not fused
+                return eager(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+            ctx = current_context()
+            if ctx is not None and ctx.backend == "kernel":
+                return fused_layer(lib, layer, hidden_states, position_embeddings, in_pool(ctx, attn))
+            cache = kwargs.get("past_key_values")
+            if (self.reference and ctx is None and cache is not None
+                    and attn.config._attn_implementation == attention.KERNEL_REFERENCE):
+                return fused_layer(lib, layer, hidden_states, position_embeddings,
+                                   through_cache(cache, attn, kwargs.get("attention_mask")))
+            return eager(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+
+        return forward
+
+    def release(self) -> None:
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+
+
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def in_pool(ctx, attn) -> Attend:
+    """A step's attention through the C kernel: writes the rows' K/V into the pool and reads each row's context
+    there. q [tokens, heads, d], k and v [tokens, kv_heads, d] -> [tokens, heads, d]."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        row_seq, row_pos, tables = ctx.kernel_tensors
+        i = attn.layer_idx
+        return ops.kernel_step(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), ctx.kv[0, i], ctx.kv[1, i],
+                               ctx.slots, row_seq, row_pos, tables, ctx.kernel_max_context, attn.scaling)
+
+    return attend
+
+
+def through_cache(cache, attn, mask: torch.Tensor | None) -> Attend:
+    """`generate`'s attention with the C kernel's arithmetic (attention.kernel_reference) over transformers' own
+    cache, which the rows' K/V join first."""
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_all, v_all = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn.layer_idx)
+        return attention.kernel_reference(attn, q.transpose(0, 1)[None], k_all, v_all, mask, attn.scaling)[0][0]
+
+    return attend
+
+
+def _new(*shape: int) -> torch.Tensor:
+    return torch.empty(shape, dtype=torch.float32)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as rows with contiguous columns (a column slice of a wider result is taken as it is)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def fused_layer(lib, layer, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attend: Attend) -> torch.Tensor:
+    """One layer over a step's packed tokens, hidden_states [1, tokens, hidden] -> the same shape."""
+    threads = torch.get_num_threads()
+    x = _rows(hidden_states[0])
+    tokens, hidden = x.shape
+    attn, mlp = layer.self_attn, layer.mlp
+    norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
+    h = _new(tokens, hidden)
+    lib.rms_norm_f32(x.data_ptr(), tokens, hidden, x.stride(0), norm1.weight.data_ptr(), norm1.variance_epsilon,
+                     h.data_ptr(), threads)
+
+    q, k, v = (_rows(attn.q_proj(h)), _rows(attn.k_proj(h)), _rows(attn.v_proj(h)))
+    d = attn.head_dim
+    heads, kv_heads = q.shape[1] // d, k.shape[1] // d
+    cos, sin = (t[0].contiguous() for t in position_embeddings)
+    q_rot, k_rot = _new(tokens, heads, d), _new(tokens, kv_heads, d)
+    lib.rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), tokens, heads, kv_heads, d,
+                   cos.data_ptr(), sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(), threads)
+    out = attend(q_rot, k_rot, v.view(tokens, kv_heads, d))
+    a = _rows(attn.o_proj(out.view(tokens, heads * d)))
+
+    residual, h2 = _new(tokens, hidden), _new(tokens, hidden)
+    lib.add_rms_norm_f32(x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(0), tokens, hidden,
+                         norm2.weight.data_ptr(), norm2.variance_epsilon, residual.data_ptr(), h2.data_ptr(),
+                         threads)
+    gate, up = _rows(mlp.gate_proj(h2)), _rows(mlp.up_proj(h2))
+    inner = gate.shape[1]
+    act = _new(tokens, inner)
+    lib.silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), tokens, inner, act.data_ptr(),
+                     threads)
+    return residual.add_(mlp.down_proj(act)).unsqueeze(0)

@@ -217,8 +217,8 @@ def test_worker_threads_match_its_slots_and_caches_live_in_volumes(compose_confi
         assert mounts.get(env["MODEL_CACHE_DIR"]) == "model-cache"
         assert mounts.get(env["HF_HOME"]) == "hf-cache"
         for setting in ("MODEL", "DEVICE", "DTYPE", "MAX_NUM_BATCHED_TOKENS", "KV_CACHE_GIB", "GPU_MEMORY_UTILIZATION",
-                        "ATTENTION_BACKEND", "ENFORCE_EAGER", "OVERLAP_STEPS", "REDIS_URL",
-                        "DATABASE_URL"):
+                        "ATTENTION_BACKEND", "ENFORCE_EAGER", "COMPILE_LAYERS", "FUSED_LAYERS", "OVERLAP_STEPS",
+                        "REDIS_URL", "DATABASE_URL"):
             assert setting in env, setting
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama
 
+from tests.tiny_model import make_tiny_model_dir
 from worker.engine import EngineConfig, LLMEngine, SamplingParams, attention, native
 from worker.engine.fused import FusedLayers, unfit_reason
 from worker.engine.sizing import fused_for
@@ -99,20 +100,22 @@ def engine_for(model, tok, **options) -> LLMEngine:
                                               attention_backend="kernel", **options))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_the_engines_fused_layers_answer_as_generate_on_the_same_arithmetic(arch, tiny_model_dirs, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_the_engines_fused_layers_answer_as_generate_on_the_same_arithmetic(arch, tiny_model_dirs, tokenizer,
+                                                                            tmp_path, monkeypatch):
     from worker.engine import fused
 
     calls = []
     real = fused.fused_layer
     monkeypatch.setattr(fused, "fused_layer", lambda *args: calls.append(1) or real(*args))
-    model, tok = load_model(str(tiny_model_dirs[arch]))
+    path = tiny_model_dirs.get(arch) or make_tiny_model_dir(tmp_path / arch, tokenizer, arch)
+    model, tok = load_model(str(path))
     engine = engine_for(model, tok)
     assert engine.runner.fused is not None and "layers fused" in engine.runner.describe_steps()
     got = serve(engine)
     layers = model.config.num_hidden_layers
     assert calls and len(calls) % layers == 0
-    ref = load_model(str(tiny_model_dirs[arch]))[0]
+    ref = load_model(str(path))[0]
     attention.register()
     ref.set_attn_implementation(attention.KERNEL_REFERENCE)
     FusedLayers(ref, reference=True)

@@ -9,9 +9,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.tiny_model import make_tiny_model_dir
 from bench import engine as bench
+from worker.engine import native
 from worker.model_loader import load_tokenizer
 
 WORKLOAD = str(bench.REPO_ROOT / "bench" / "data" / "workload.json")
@@ -123,6 +125,17 @@ def test_step_profile_times_decode_steps_against_operator_time(tiny_config):
     for row in rows:
         assert row["busy_kind"] == "cpu_ops" and row["steps"] == 2
         assert row["wall_ms"] > 0 and row["busy_ms"] > 0 and row["wall_over_busy"] > 0
+
+
+@pytest.mark.skipif(native.load_layer_ops() is None, reason="no C compiler for the layer kernels")
+def test_a_cpu_step_profile_counts_the_c_kernels_time_as_busy():
+    lib = native.load_layer_ops()
+    call = lib.rms_norm_f32
+    x, w, out = torch.randn(4, 64), torch.ones(64), torch.empty(4, 64)
+    with bench.c_kernels_profiled(torch.device("cpu")), torch.profiler.profile() as prof:
+        lib.rms_norm_f32(x.data_ptr(), 4, 64, 64, w.data_ptr(), 1e-5, out.data_ptr(), 1)
+    assert [e.key for e in prof.key_averages() if e.key.startswith("c::")] == ["c::rms_norm_f32"]
+    assert lib.rms_norm_f32 is call   # put back as it was
 
 
 def test_random_weights_resolve_paths_directories_and_builtin_shapes(tiny_config):

@@ -44,7 +44,10 @@ def test_rms_norm_and_the_residual_add_compute_llamas_rmsnorm(rows):
 
 
 @pytest.mark.parametrize("tokens", [1, 9, 300])
-def test_rotary_rotates_queries_and_keys_as_transformers_does(tokens):
+@pytest.mark.parametrize("head_norms", [False, True])   # True: Qwen3's RMSNorm of each head first
+def test_rotary_rotates_queries_and_keys_as_transformers_does(tokens, head_norms):
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
     lib = native.load_layer_ops()
     g = torch.Generator().manual_seed(tokens)
     heads, kv_heads, d = 9, 3, 64
@@ -52,12 +55,18 @@ def test_rotary_rotates_queries_and_keys_as_transformers_does(tokens):
     q, k = qkv[:, :heads * d], qkv[:, heads * d:(heads + kv_heads) * d]
     angles = torch.rand(tokens, d // 2, generator=g) * 100
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    q_norm, k_norm = Qwen3RMSNorm(d, eps=1e-6), Qwen3RMSNorm(d, eps=1e-6)
+    q_norm.weight.data, k_norm.weight.data = torch.randn(d, generator=g), torch.randn(d, generator=g)
+    weights = (q_norm.weight.data_ptr(), k_norm.weight.data_ptr()) if head_norms else (None, None)
     q_out, k_out = torch.empty(tokens, heads, d), torch.empty(tokens, kv_heads, d)
-    lib.rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), tokens, heads, kv_heads, d,
-                   cos.data_ptr(), sin.data_ptr(), q_out.data_ptr(), k_out.data_ptr(), 2)
-    want_q, want_k = modeling_llama.apply_rotary_pos_emb(q.view(tokens, heads, d).transpose(0, 1)[None],
-                                                         k.reshape(tokens, kv_heads, d).transpose(0, 1)[None],
-                                                         cos[None], sin[None])
+    assert lib.rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), tokens, heads, kv_heads, d,
+                          cos.data_ptr(), sin.data_ptr(), *weights, 1e-6, q_out.data_ptr(), k_out.data_ptr(), 2)
+    q_heads, k_heads = q.reshape(tokens, heads, d), k.reshape(tokens, kv_heads, d)
+    with torch.no_grad():
+        if head_norms:
+            q_heads, k_heads = q_norm(q_heads), k_norm(k_heads)
+        want_q, want_k = modeling_llama.apply_rotary_pos_emb(q_heads.transpose(0, 1)[None],
+                                                             k_heads.transpose(0, 1)[None], cos[None], sin[None])
     assert close(q_out, want_q[0].transpose(0, 1)) and close(k_out, want_k[0].transpose(0, 1))
 
 
@@ -100,7 +109,7 @@ def engine_for(model, tok, **options) -> LLMEngine:
                                               attention_backend="kernel", **options))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_the_engines_fused_layers_answer_as_generate_on_the_same_arithmetic(arch, tiny_model_dirs, tokenizer,
                                                                             tmp_path, monkeypatch):
     from worker.engine import fused
@@ -140,9 +149,10 @@ def test_outside_a_step_and_once_released_the_layers_are_the_models_own(tiny_mod
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
 
 
-def test_models_the_fused_layers_do_not_fit_keep_their_own_code(tiny_model_dirs, caplog):
-    for arch, why in (("qwen3", "Qwen3DecoderLayer are not fused"), ("gpt2", "no list of decoder layers")):
-        model, tok = load_model(str(tiny_model_dirs[arch]))
+def test_models_the_fused_layers_do_not_fit_keep_their_own_code(tiny_model_dirs, tokenizer, tmp_path, caplog):
+    gelu = make_tiny_model_dir(tmp_path / "gelu", tokenizer, "llama", hidden_act="gelu_pytorch_tanh")
+    for path, why in ((tiny_model_dirs["gpt2"], "no list of decoder layers"), (gelu, "not SiLU")):
+        model, tok = load_model(str(path))
         assert why in unfit_reason(model)
         with caplog.at_level(logging.INFO, logger="worker.engine.model_runner"):
             engine = engine_for(model, tok)

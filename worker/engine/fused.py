@@ -3,8 +3,8 @@
 A Llama-style layer runs about 40 torch ops besides its matmuls and attention: RMSNorm alone is six, rotary ten,
 each a dispatch of a few microseconds on a tensor of a few kilobytes. Here each layer of a step through the C
 attention kernel runs its linears as the model holds them (packed, w8a8, int4...), and between them four C calls:
-RMSNorm, rotary, the residual add with the second RMSNorm, and SiLU-and-multiply. Called outside such a step
-(`generate`, other backends) a layer runs the model's own code. The answers are the model's own up to float32
+RMSNorm, rotary (after Qwen3's per-head norms), the residual add with the second RMSNorm, and SiLU-and-multiply.
+Called outside such a step (`generate`, other backends) a layer runs the model's own code. The answers are the model's own up to float32
 rounding (the order of RMSNorm's sum, SiLU's exponential), which tests/test_fused.py bounds.
 """
 
@@ -18,8 +18,10 @@ from . import attention, native
 from .attention import current_context, ops
 from .compiled import decoder_layers
 
-# Decoder layers whose forward is Llama's: pre-norm RMSNorm, rotary on every head dimension, SiLU-gated MLP.
-LAYER_KINDS = frozenset(("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"))
+# Decoder layers whose forward is Llama's: pre-norm RMSNorm, rotary on every head dimension, SiLU-gated MLP (Qwen3's
+# also normalises each query and key head before rotary).
+LAYER_KINDS = frozenset(("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"))
+MAX_HEAD_DIM = 512   # layer_ops.c's
 
 
 def unfit_reason(model) -> str | None:
@@ -34,9 +36,12 @@ def unfit_reason(model) -> str | None:
     if getattr(config, "hidden_act", None) != "silu":
         return f"the MLP's activation is {getattr(config, 'hidden_act', None)!r}, not SiLU"
     layer = layers[0]
-    if any(p.dtype != torch.float32 or p.device.type != "cpu" for p in
-           (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)):
+    norms = [layer.input_layernorm, layer.post_attention_layernorm,
+             *(getattr(layer.self_attn, name) for name in ("q_norm", "k_norm") if hasattr(layer.self_attn, name))]
+    if any(n.weight.dtype != torch.float32 or n.weight.device.type != "cpu" for n in norms):
         return "the layers' norms are not float32 on the CPU"
+    if layer.self_attn.head_dim > MAX_HEAD_DIM:
+        return f"heads of {layer.self_attn.head_dim} dimensions are past the kernels' {MAX_HEAD_DIM}"
     if native.load_layer_ops() is None:
         return "the layer kernels did not build (no C compiler)"
     return None
@@ -135,8 +140,12 @@ def fused_layer(lib, layer, hidden_states: torch.Tensor, position_embeddings: tu
     heads, kv_heads = q.shape[1] // d, k.shape[1] // d
     cos, sin = (t[0].contiguous() for t in position_embeddings)
     q_rot, k_rot = _new(tokens, heads, d), _new(tokens, kv_heads, d)
+    q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)   # Qwen3's, per head
     lib.rotary_f32(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), tokens, heads, kv_heads, d,
-                   cos.data_ptr(), sin.data_ptr(), q_rot.data_ptr(), k_rot.data_ptr(), threads)
+                   cos.data_ptr(), sin.data_ptr(), q_norm.weight.data_ptr() if q_norm is not None else None,
+                   k_norm.weight.data_ptr() if k_norm is not None else None,
+                   q_norm.variance_epsilon if q_norm is not None else 0.0, q_rot.data_ptr(), k_rot.data_ptr(),
+                   threads)
     out = attend(q_rot, k_rot, v.view(tokens, kv_heads, d))
     a = _rows(attn.o_proj(out.view(tokens, heads * d)))
 

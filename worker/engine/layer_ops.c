@@ -1,13 +1,15 @@
-/* The elementwise work of a decoder layer between its matmuls, one call each, for CPU steps (fused.py):
- * RMSNorm (with the residual add before it), rotary position embedding and SiLU-and-multiply. Each is the
- * transformers expression's arithmetic in float32; only the order of RMSNorm's sum of squares differs. Plain C
- * that the compiler vectorises (-O3 -march=native); rows are split over threads only where there are enough. */
+/* The elementwise work of a decoder layer between its matmuls, one call each, for CPU steps (fused.py): RMSNorm
+ * (with the residual add before it), rotary position embedding (after a per-head RMSNorm where the model has one)
+ * and SiLU-and-multiply, each transformers' float32 expression; the order of RMSNorm's sum of squares and SiLU's
+ * exponential (a polynomial) round differently. Plain C that the compiler vectorises (-O3 -march=native); rows are
+ * split over threads only where there are enough. */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
 #define LANES 16
 #define PARALLEL_ELEMENTS 65536   /* below this a row loop on one thread beats waking the others */
+#define MAX_HEAD_DIM 512
 
 /* sum of x[k]^2 over a row, in LANES partial sums (a fixed order, whatever the row's neighbours) */
 static inline float sum_squares(const float *x, int64_t cols) {
@@ -50,8 +52,15 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const float *y, int64_t 
     }
 }
 
-/* Rotary embedding of one head: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[h:], x[:h]). */
-static inline void rotate_head(const float *x, const float *cos, const float *sin, int64_t dim, float *out) {
+/* Rotary embedding of one head: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[h:], x[:h]). With a
+ * norm weight (Qwen3's q_norm, k_norm) the head is first RMSNorm'd over its own dimensions, into out. */
+static inline void rotate_head(const float *x, const float *norm, float eps, const float *cos, const float *sin,
+                               int64_t dim, float *out) {
+    float normed[MAX_HEAD_DIM];
+    if (norm != NULL) {
+        norm_row(x, dim, norm, eps, normed);
+        x = normed;
+    }
     const int64_t half = dim / 2;
     for (int64_t i = 0; i < half; i++)
         out[i] = x[i] * cos[i] + (-x[i + half]) * sin[i];
@@ -60,18 +69,22 @@ static inline void rotate_head(const float *x, const float *cos, const float *si
 }
 
 /* q [tokens, heads * dim] and k [tokens, kv_heads * dim] (row strides q_stride, k_stride), cos and sin
- * [tokens, dim] -> q_out [tokens, heads, dim] and k_out [tokens, kv_heads, dim], contiguous. */
-void rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, int64_t tokens, int64_t heads,
-                int64_t kv_heads, int64_t dim, const float *cos, const float *sin, float *q_out, float *k_out,
-                int threads) {
+ * [tokens, dim] -> q_out [tokens, heads, dim] and k_out [tokens, kv_heads, dim], contiguous. q_norm and k_norm:
+ * each head's RMSNorm weight [dim] (both NULL: none). Returns 0 for a head size past MAX_HEAD_DIM, else 1. */
+int rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_stride, int64_t tokens, int64_t heads,
+               int64_t kv_heads, int64_t dim, const float *cos, const float *sin, const float *q_norm,
+               const float *k_norm, float eps, float *q_out, float *k_out, int threads) {
+    if (dim > MAX_HEAD_DIM)
+        return 0;
 #pragma omp parallel for num_threads(threads) if (tokens * (heads + kv_heads) * dim >= PARALLEL_ELEMENTS)
     for (int64_t t = 0; t < tokens; t++) {
         const float *c = cos + t * dim, *s = sin + t * dim;
         for (int64_t h = 0; h < heads; h++)
-            rotate_head(q + t * q_stride + h * dim, c, s, dim, q_out + (t * heads + h) * dim);
+            rotate_head(q + t * q_stride + h * dim, q_norm, eps, c, s, dim, q_out + (t * heads + h) * dim);
         for (int64_t h = 0; h < kv_heads; h++)
-            rotate_head(k + t * k_stride + h * dim, c, s, dim, k_out + (t * kv_heads + h) * dim);
+            rotate_head(k + t * k_stride + h * dim, k_norm, eps, c, s, dim, k_out + (t * kv_heads + h) * dim);
     }
+    return 1;
 }
 
 /* exp(x) for x <= 0: Cephes' single-precision polynomial on x - n ln 2, scaled by 2^n through the exponent bits;

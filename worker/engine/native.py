@@ -33,8 +33,9 @@ INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, 
 LAYER_ARGTYPES = {"rms_norm_f32": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],   # x, rows, cols, stride, w, eps, out
                   # x, its stride, y, its stride, rows, cols, weight, eps, sum, out, threads
                   "add_rms_norm_f32": [_P, _I64, _P, _I64, _I64, _I64, _P, _F32, _P, _P, _I32],
-                  # q, its stride, k, its stride, tokens, heads, kv heads, dim, cos, sin, q out, k out, threads
-                  "rotary_f32": [_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I32],
+                  # q, its stride, k, its stride, tokens, heads, kv heads, dim, cos, sin, q and k norm weights
+                  # (or NULL), their eps, q out, k out, threads
+                  "rotary_f32": [_P, _I64, _P, _I64, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _F32, _P, _P, _I32],
                   "silu_mul_f32": [_P, _I64, _P, _I64, _I64, _I64, _P, _I32]}   # gate, up (and strides), rows...
 ARGTYPES = [_P, _I64, _I64,  _P, _I64, _I64,  _P, _I64, _I64,      # q, k, v and their token/head strides
             _P, _P, _I64, _I32,  _I32, _I32, _I32,                  # pool, num_blocks, block_size, heads
@@ -96,7 +97,7 @@ def load_layer_ops() -> ctypes.CDLL | None:
     if lib is not None:
         for name, argtypes in LAYER_ARGTYPES.items():
             getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = None
+            getattr(lib, name).restype = ctypes.c_int if name == "rotary_f32" else None
     return lib
 
 

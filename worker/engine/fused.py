@@ -31,7 +31,8 @@ def unfit_reason(model) -> str | None:
         return f"{type(model).__name__} has no list of decoder layers (model.model.layers)"
     kinds = {type(layer).__name__ for layer in layers}
     if not kinds <= LAYER_KINDS:
-        return f"decoder layers of kind {', '.join(sorted(kinds - LAYER_KINDS))} are not fused (Llama's only)"
+        return (f"decoder layers of kind {', '.join(sorted(kinds - LAYER_KINDS))} are not fused (only "
+                f"{', '.join(sorted(LAYER_KINDS))})")
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if getattr(config, "hidden_act", None) != "silu":
         return f"the MLP's activation is {getattr(config, 'hidden_act', None)!r}, not SiLU"

@@ -171,3 +171,27 @@ def test_fused_layers_follow_the_setting(tiny_model_dir, monkeypatch):
         fused_for(EngineConfig())
     monkeypatch.delenv("FUSED_LAYERS")
     assert fused_for(EngineConfig())
+
+
+def test_w8a8_siblings_run_their_shared_matmul_once_for_the_same_columns(tiny_model_dir):
+    from worker.engine.fused import together
+    from worker.engine.weights.quantised import quantize_model
+
+    model, _ = load_model(str(tiny_model_dir))
+    quantize_model(model, "w8a8")
+    attn = model.model.layers[0].self_attn
+    matmul = attn.q_proj.matmul
+    runs = []
+    real = matmul._run
+    matmul._run = lambda x: runs.append(1) or real(x)
+    h = torch.randn(5, attn.q_proj.in_features)
+    with torch.inference_mode():
+        want = (attn.q_proj(h), attn.k_proj(h), attn.v_proj(h))
+        runs.clear()
+        got = together(attn.q_proj, attn.k_proj, attn.v_proj)(h)
+        assert len(runs) == 1 and all(torch.equal(a, b) for a, b in zip(got, want))
+        # Not all of the matmul's members, or not in its order: each module on its own.
+        runs.clear()
+        assert torch.equal(together(attn.k_proj, attn.q_proj, attn.v_proj)(h)[1], want[0]) and len(runs) == 1
+        plain = torch.nn.Linear(attn.q_proj.in_features, 3)
+        assert torch.equal(together(plain)(h)[0], plain(h))

@@ -2,21 +2,24 @@
 
 A Llama-style layer runs about 40 torch ops besides its matmuls and attention: RMSNorm alone is six, rotary ten,
 each a dispatch of a few microseconds on a tensor of a few kilobytes. Here each layer of a step through the C
-attention kernel runs its linears as the model holds them (packed, w8a8, int4...), and between them four C calls:
-RMSNorm, rotary (after Qwen3's per-head norms), the residual add with the second RMSNorm, and SiLU-and-multiply.
-Called outside such a step (`generate`, other backends) a layer runs the model's own code. The answers are the model's own up to float32
-rounding (the order of RMSNorm's sum, SiLU's exponential), which tests/test_fused.py bounds.
+attention kernel runs its linears as the model holds them (packed, w8a8, int4...; w8a8 siblings in one call), and
+between them four C calls: RMSNorm, rotary (after Qwen3's per-head norms), the residual add with the second RMSNorm,
+and SiLU-and-multiply. Called outside such a step (`generate`, other backends) a layer runs the model's own code.
+The answers are the model's own up to float32 rounding (the order of RMSNorm's sum, SiLU's exponential), which
+tests/test_fused.py bounds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from . import attention, native
 from .attention import current_context, ops
 from .compiled import decoder_layers
+from .weights.quantised import Int8Matmul, W8A8Linear
 
 # Decoder layers whose forward is Llama's: pre-norm RMSNorm, rotary on every head dimension, SiLU-gated MLP (Qwen3's
 # also normalises each query and key head before rotary).
@@ -67,7 +70,9 @@ class FusedLayers:
     def _forward_of(self, layer):
         eager = layer.forward
         lib = self.lib
-        attn = layer.self_attn
+        attn, mlp = layer.self_attn, layer.mlp
+        proj = Projections(together(attn.q_proj, attn.k_proj, attn.v_proj), together(attn.o_proj),
+                           together(mlp.gate_proj, mlp.up_proj), together(mlp.down_proj))
 
         def forward(hidden_states, *args, position_embeddings=None, **kwargs):
             if (position_embeddings is None or hidden_states.dtype != torch.float32 or hidden_states.shape[0] != 1
@@ -75,11 +80,11 @@ class FusedLayers:
                 return eager(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
             ctx = current_context()
             if ctx is not None and ctx.backend == "kernel":
-                return fused_layer(lib, layer, hidden_states, position_embeddings, in_pool(ctx, attn))
+                return fused_layer(lib, layer, proj, hidden_states, position_embeddings, in_pool(ctx, attn))
             cache = kwargs.get("past_key_values")
             if (self.reference and ctx is None and cache is not None
                     and attn.config._attn_implementation == attention.KERNEL_REFERENCE):
-                return fused_layer(lib, layer, hidden_states, position_embeddings,
+                return fused_layer(lib, layer, proj, hidden_states, position_embeddings,
                                    through_cache(cache, attn, kwargs.get("attention_mask")))
             return eager(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
 
@@ -91,6 +96,32 @@ class FusedLayers:
 
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Project = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
+@dataclass
+class Projections:
+    """A layer's linears, each group reading one input: q/k/v, o, gate/up, down."""
+
+    qkv: Project
+    o: Project
+    gate_up: Project
+    down: Project
+
+
+def together(*linears: torch.nn.Module) -> Project:
+    """The linears' results for one input. w8a8 siblings that share one Int8Matmul (all of its members, in order)
+    run it once, directly, and take their columns: the same product as through each module, without a module call
+    and the shared result's bookkeeping for each."""
+    first = linears[0]
+    matmul = getattr(first, "matmul", None)
+    if (isinstance(matmul, Int8Matmul) and len(matmul.columns) == len(linears)
+            and all(isinstance(m, W8A8Linear) and m.matmul is matmul and m.member == i for i, m in enumerate(linears))):
+        if len(linears) == 1:
+            return lambda x: (matmul._run(x),)
+        columns = matmul.columns
+        return lambda x: tuple(out[:, start:end] for out in (matmul._run(x),) for start, end in columns)
+    return lambda x: tuple(m(x) for m in linears)
 
 
 def in_pool(ctx, attn) -> Attend:
@@ -124,19 +155,19 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def fused_layer(lib, layer, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                attend: Attend) -> torch.Tensor:
+def fused_layer(lib, layer, proj: Projections, hidden_states: torch.Tensor,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attend: Attend) -> torch.Tensor:
     """One layer over a step's packed tokens, hidden_states [1, tokens, hidden] -> the same shape."""
     threads = torch.get_num_threads()
     x = _rows(hidden_states[0])
     tokens, hidden = x.shape
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     norm1, norm2 = layer.input_layernorm, layer.post_attention_layernorm
     h = _new(tokens, hidden)
     lib.rms_norm_f32(x.data_ptr(), tokens, hidden, x.stride(0), norm1.weight.data_ptr(), norm1.variance_epsilon,
                      h.data_ptr(), threads)
 
-    q, k, v = (_rows(attn.q_proj(h)), _rows(attn.k_proj(h)), _rows(attn.v_proj(h)))
+    q, k, v = (_rows(t) for t in proj.qkv(h))
     d = attn.head_dim
     heads, kv_heads = q.shape[1] // d, k.shape[1] // d
     cos, sin = (t[0].contiguous() for t in position_embeddings)
@@ -148,15 +179,15 @@ def fused_layer(lib, layer, hidden_states: torch.Tensor, position_embeddings: tu
                    q_norm.variance_epsilon if q_norm is not None else 0.0, q_rot.data_ptr(), k_rot.data_ptr(),
                    threads)
     out = attend(q_rot, k_rot, v.view(tokens, kv_heads, d))
-    a = _rows(attn.o_proj(out.view(tokens, heads * d)))
+    a = _rows(proj.o(out.view(tokens, heads * d))[0])
 
     residual, h2 = _new(tokens, hidden), _new(tokens, hidden)
     lib.add_rms_norm_f32(x.data_ptr(), x.stride(0), a.data_ptr(), a.stride(0), tokens, hidden,
                          norm2.weight.data_ptr(), norm2.variance_epsilon, residual.data_ptr(), h2.data_ptr(),
                          threads)
-    gate, up = _rows(mlp.gate_proj(h2)), _rows(mlp.up_proj(h2))
+    gate, up = (_rows(t) for t in proj.gate_up(h2))
     inner = gate.shape[1]
     act = _new(tokens, inner)
     lib.silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), tokens, inner, act.data_ptr(),
                      threads)
-    return residual.add_(mlp.down_proj(act)).unsqueeze(0)
+    return residual.add_(proj.down(act)[0]).unsqueeze(0)

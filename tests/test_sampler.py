@@ -945,3 +945,13 @@ def test_warming_up_compiles_the_fused_draw_for_one_row_and_more(monkeypatch) ->
     calls.clear()
     Sampler().warm_up(64, torch.device("cpu"))   # the CPU's draw is not the race: nothing to compile
     assert calls == []
+
+
+def test_greedy_takes_each_rows_first_largest_score_as_argmax_does() -> None:
+    scores = torch.randn(6, 300)
+    scores[0, [7, 40]] = 9.0                        # a tie: the first
+    scores[1, [3, 250]] = float("inf")
+    scores[2] = 0.0                                  # all equal
+    scores[3, 100] = float("nan")                    # NaN is the largest, as argmax has it
+    assert torch.equal(sampler_module.first_largest(scores), scores.argmax(dim=-1))
+    assert sampler_module.first_largest(scores)[:3].tolist() == [7, 3, 0]

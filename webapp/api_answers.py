@@ -135,6 +135,7 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
 
     def chunk(index: int | None, delta: dict | None, reason: str | None = None, logprobs: list | None = None,
               usage_: dict | None = None, ended_by: dict | None = None, done: dict | None = None) -> str:
+        nonlocal prompt_sent
         body: dict = {"id": f"chatcmpl-{job['request_id']}", "object": "chat.completion.chunk",
                       "created": int(job["enqueued_at"]), "model": shape.model, "choices": []}
         if index is not None:
@@ -142,7 +143,6 @@ def chat_stream(job: dict, events: Iterator[dict], shape: Shape) -> Iterator[str
             if ended_by is not None:
                 choice["stop_reason"] = stop_reason(ended_by)
                 with_token_ids(choice, ended_by, shape)
-                nonlocal prompt_sent
                 if shape.token_ids and not prompt_sent:
                     body["prompt_token_ids"] = done.get("prompt_token_ids")
                     prompt_sent = True

@@ -53,7 +53,7 @@ void add_rms_norm_f32(const float *x, int64_t x_stride, const float *y, int64_t 
 }
 
 /* Rotary embedding of one head: out = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x[h:], x[:h]). With a
- * norm weight (Qwen3's q_norm, k_norm) the head is first RMSNorm'd over its own dimensions, into out. */
+ * norm weight (Qwen3's q_norm, k_norm) the head is first RMSNorm'd over its own dimensions, in a scratch row. */
 static inline void rotate_head(const float *x, const float *norm, float eps, const float *cos, const float *sin,
                                int64_t dim, float *out) {
     float normed[MAX_HEAD_DIM];

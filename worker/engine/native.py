@@ -27,9 +27,12 @@ INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x
                  # codes, rows, K, N, tiles, shifts, row/col scales, out, scratch, threads
                  "matmul_vnni_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
                  "matmul_amx_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
+                 # x, rows, K, x's row stride, N, tiles, shifts, col scales, out, amx (1) or vnni (0), threads
+                 "quantize_matmul_s8": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I32],
                  "amx_ready": []}
 # 0: built without the instructions (or, for AMX, refused its tile state); the caller then takes another path
-INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, "amx_ready": ctypes.c_int}
+INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, "amx_ready": ctypes.c_int,
+                 "quantize_matmul_s8": ctypes.c_int}
 LAYER_ARGTYPES = {"rms_norm_f32": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],   # x, rows, cols, stride, w, eps, out
                   # x, its stride, y, its stride, rows, cols, weight, eps, sum, out, threads
                   "add_rms_norm_f32": [_P, _I64, _P, _I64, _I64, _I64, _P, _F32, _P, _P, _I32],

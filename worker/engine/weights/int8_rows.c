@@ -2,6 +2,7 @@
  * quantising each row of activations to int8 at its own largest magnitude, and scaling the int32 products by
  * the row's and the output channel's scales. torch's ops for these took most of a w8a8 layer's time. */
 #include <float.h>
+#include <stdlib.h>
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -232,3 +233,26 @@ int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const
     return 0;
 }
 #endif
+
+/* quantize_rows_s8, then the tile kernel (amx: 1 for AMX, 0 for VNNI), in one call with the codes, row scales and
+ * shifted scratch taken from the heap: w8a8's usual path, without a call and three buffers from the caller for each
+ * part. Returns the kernel's result (0: not in this build), or -1 when memory runs out. */
+int quantize_matmul_s8(const float *x, int64_t rows, int64_t k, int64_t stride, int64_t n, const int8_t *packed,
+                       const int32_t *shift, const float *col_scales, float *out, int amx, int threads) {
+    if (rows == 0)
+        return 1;
+    const size_t padded = (size_t)((rows + 15) / 16 * 16) * (size_t)k;
+    int8_t *codes = aligned_alloc(64, (padded + 63) / 64 * 64);
+    float *row_scales = aligned_alloc(64, ((size_t)rows * sizeof(float) + 63) / 64 * 64);
+    uint8_t *shifted = aligned_alloc(64, (padded + 63) / 64 * 64);
+    int rc = -1;
+    if (codes != NULL && row_scales != NULL && shifted != NULL) {
+        quantize_rows_s8(x, rows, k, stride, codes, row_scales, threads);
+        rc = amx ? matmul_amx_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, shifted, threads)
+                 : matmul_vnni_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, shifted, threads);
+    }
+    free(codes);
+    free(row_scales);
+    free(shifted);
+    return rc;
+}

@@ -283,17 +283,17 @@ def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift:
         flat = flat if flat.stride(-1) == 1 else flat.contiguous()
         rows, cols = flat.shape
         threads = torch.get_num_threads()
-        codes = torch.empty(rows, cols, dtype=torch.int8)
-        row_scales = torch.empty(rows, 1)
-        lib.quantize_rows_s8(flat.data_ptr(), rows, cols, flat.stride(0), codes.data_ptr(),
-                             row_scales.data_ptr(), threads)
         out = torch.empty(rows, n)
-        if kernel == "amx" or (kernel == "vnni" and rows <= VNNI_ROWS):
-            shifted = torch.empty((rows + 15) // 16 * 16 * cols, dtype=torch.uint8)
-            run = lib.matmul_amx_s8 if kernel == "amx" else lib.matmul_vnni_s8
-            run(codes.data_ptr(), rows, cols, n, tiles.data_ptr(), shift.data_ptr(),
-                row_scales.data_ptr(), scales.data_ptr(), out.data_ptr(), shifted.data_ptr(), threads)
+        if kernel == "amx" or (kernel == "vnni" and rows <= VNNI_ROWS):   # quantised and multiplied in one call
+            if lib.quantize_matmul_s8(flat.data_ptr(), rows, cols, flat.stride(0), n, tiles.data_ptr(),
+                                      shift.data_ptr(), scales.data_ptr(), out.data_ptr(), kernel == "amx",
+                                      threads) < 0:
+                raise MemoryError(f"w8a8: no memory for the scratch of {rows} rows of {cols}")
         else:
+            codes = torch.empty(rows, cols, dtype=torch.int8)
+            row_scales = torch.empty(rows, 1)
+            lib.quantize_rows_s8(flat.data_ptr(), rows, cols, flat.stride(0), codes.data_ptr(),
+                                 row_scales.data_ptr(), threads)
             acc = torch._int_mm(codes, _plain_codes_t(tiles, codes_t, n, in_features))
             lib.scale_rows_cols(acc.data_ptr(), rows, n, row_scales.data_ptr(), scales.data_ptr(),
                                 out.data_ptr(), threads)

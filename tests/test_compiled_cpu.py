@@ -30,8 +30,9 @@ def w8a8_engine(model_dir, compile_layers: bool) -> LLMEngine:
                                               fused_layers=False))
 
 
-def serve(engine: LLMEngine) -> dict[str, list[int]]:
-    """Greedy answers to prompts arriving a step apart (chunked prefills beside decodes), then one alone."""
+def serve(engine: LLMEngine, cap: int = 6) -> dict[str, list[int]]:
+    """Greedy answers (at most `cap` tokens) to prompts arriving a step apart (chunked prefills beside decodes),
+    then a prompt of one token alone (at most 4)."""
     results = {}
 
     def step() -> None:
@@ -41,7 +42,7 @@ def serve(engine: LLMEngine) -> dict[str, list[int]]:
 
     for i, length in enumerate(PROMPTS):
         engine.add_request(str(i), prompt_token_ids=list(range(5, 5 + length)),
-                           params=SamplingParams(temperature=0, max_new_tokens=6))
+                           params=SamplingParams(temperature=0, max_new_tokens=cap))
         step()
     while engine.has_unfinished():
         step()

@@ -10,17 +10,15 @@ import pytest
 import torch
 from transformers.models.llama import modeling_llama
 
+from tests.test_compiled_cpu import PROMPTS, serve
 from tests.tiny_model import make_tiny_model_dir
-from worker.engine import EngineConfig, LLMEngine, SamplingParams, attention, native
+from worker.engine import EngineConfig, LLMEngine, attention, native
 from worker.engine.fused import FusedLayers, unfit_reason
 from worker.engine.sizing import fused_for
 from worker.model_loader import load_model
 
 pytestmark = pytest.mark.skipif(native.load() is None or native.load_layer_ops() is None,
                                 reason="needs a C compiler for the attention and layer kernels")
-
-PROMPTS = [1, 7, 40, 3, 12]   # arriving a step apart: chunked prefills beside decodes, then one of a single token
-
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=2e-6, atol=2e-6)
@@ -83,27 +81,6 @@ def test_silu_and_multiply_over_the_whole_float_range():
     assert torch.isfinite(out).all() and torch.allclose(out, want, rtol=1e-5, atol=1e-6)
 
 
-def serve(engine: LLMEngine) -> dict[str, list[int]]:
-    """Greedy answers to prompts arriving a step apart, then one prompt of one token alone."""
-    results = {}
-
-    def step() -> None:
-        for event in engine.step():
-            if event.finished:
-                results[event.request_id] = event.token_ids
-
-    for i, length in enumerate(PROMPTS):
-        engine.add_request(str(i), prompt_token_ids=list(range(5, 5 + length)),
-                           params=SamplingParams(temperature=0, max_new_tokens=8))
-        step()
-    while engine.has_unfinished():
-        step()
-    engine.add_request("alone", prompt_token_ids=[9], params=SamplingParams(temperature=0, max_new_tokens=4))
-    while engine.has_unfinished():
-        step()
-    return results
-
-
 def engine_for(model, tok, **options) -> LLMEngine:
     return LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, num_blocks=64,
                                               attention_backend="kernel", **options))
@@ -121,7 +98,7 @@ def test_the_engines_fused_layers_answer_as_generate_on_the_same_arithmetic(arch
     model, tok = load_model(str(path))
     engine = engine_for(model, tok)
     assert engine.runner.fused is not None and "layers fused" in engine.runner.describe_steps()
-    got = serve(engine)
+    got = serve(engine, cap=8)
     layers = model.config.num_hidden_layers
     assert calls and len(calls) % layers == 0
     ref = load_model(str(path))[0]
@@ -141,7 +118,7 @@ def test_outside_a_step_and_once_released_the_layers_are_the_models_own(tiny_mod
     ids = torch.tensor([list(range(5, 25))])
     want = model(ids).logits
     engine = engine_for(model, tok)
-    serve(engine)
+    serve(engine, cap=8)
     # A forward pass of its own (generate, a reference) while the engine holds the model: the model's code.
     model.set_attn_implementation("sdpa")
     assert torch.equal(model(ids).logits, want)
@@ -157,7 +134,7 @@ def test_models_the_fused_layers_do_not_fit_keep_their_own_code(tiny_model_dirs,
         with caplog.at_level(logging.INFO, logger="worker.engine.model_runner"):
             engine = engine_for(model, tok)
         assert engine.runner.fused is None and why in caplog.text
-        assert serve(engine)   # answers all the same
+        assert serve(engine, cap=8)   # answers all the same
 
 
 def test_fused_layers_follow_the_setting(tiny_model_dir, monkeypatch):

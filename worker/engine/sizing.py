@@ -78,20 +78,22 @@ def compile_for(config, device_type: str) -> bool:
     (docs/BENCHMARKS.md)."""
     if config.compile_layers is not None:
         return config.compile_layers
-    env = (os.environ.get("COMPILE_LAYERS") or "").strip()
-    if env not in ("", "0", "1"):
-        raise ValueError(f"COMPILE_LAYERS must be 1 or 0; got {env!r}.")
-    return env == "1" if env else device_type == "cuda"
+    return _switch("COMPILE_LAYERS", device_type == "cuda")
 
 
 def fused_for(config) -> bool:
     """EngineConfig.fused_layers as set, else $FUSED_LAYERS (0 or 1), else on."""
     if config.fused_layers is not None:
         return config.fused_layers
-    env = (os.environ.get("FUSED_LAYERS") or "").strip()
+    return _switch("FUSED_LAYERS", True)
+
+
+def _switch(name: str, default: bool) -> bool:
+    """An on/off environment setting: 1 or 0, unset or empty for `default`; anything else a ValueError."""
+    env = (os.environ.get(name) or "").strip()
     if env not in ("", "0", "1"):
-        raise ValueError(f"FUSED_LAYERS must be 1 or 0; got {env!r}.")
-    return env != "0"
+        raise ValueError(f"{name} must be 1 or 0; got {env!r}.")
+    return env == "1" if env else default
 
 
 def overlap_for(config, device_type: str) -> bool:

@@ -12,7 +12,7 @@ from transformers.models.llama import modeling_llama
 
 from tests.test_compiled_cpu import PROMPTS, serve
 from tests.tiny_model import make_tiny_model_dir
-from worker.engine import EngineConfig, LLMEngine, attention, native
+from worker.engine import EngineConfig, LLMEngine, SamplingParams, attention, native
 from worker.engine.fused import FusedLayers, unfit_reason
 from worker.engine.sizing import fused_for
 from worker.model_loader import load_model
@@ -172,3 +172,48 @@ def test_w8a8_siblings_run_their_shared_matmul_once_for_the_same_columns(tiny_mo
         assert torch.equal(together(attn.k_proj, attn.q_proj, attn.v_proj)(h)[1], want[0]) and len(runs) == 1
         plain = torch.nn.Linear(attn.q_proj.in_features, 3)
         assert torch.equal(together(plain)(h)[0], plain(h))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])   # qwen2: biases; qwen3: head norms
+def test_a_whole_w8a8_layer_in_one_call_computes_the_kernels_one_by_one_to_the_bit(arch, tiny_model_dirs, tokenizer,
+                                                                                   tmp_path, monkeypatch):
+    from worker.engine import fused
+    from worker.engine.weights.quantised import VNNI_ROWS, quantize_model
+
+    if native.load_layer_step() is None or not native.int8_tile_kernels():
+        pytest.skip("needs the whole-layer kernel and a w8a8 tile kernel (AMX or AVX512-VNNI)")
+    path = tiny_model_dirs.get(arch) or make_tiny_model_dir(tmp_path / arch, tokenizer, arch)
+    one_by_one = []
+    real = fused.fused_layer
+    monkeypatch.setattr(fused, "fused_layer", lambda *args: one_by_one.append(args[3].shape[1]) or real(*args))
+
+    def answers(one_call: bool) -> tuple[dict, list[int]]:
+        model, tok = load_model(str(path))
+        g = torch.Generator().manual_seed(0)
+        for linear in model.modules():   # Qwen2's q/k/v biases, which start at zero
+            if isinstance(linear, torch.nn.Linear) and linear.bias is not None:
+                linear.bias.data = torch.randn(linear.bias.shape, generator=g)
+        quantize_model(model, "w8a8")
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=96, block_size=4,
+                                                    num_blocks=96, attention_backend="kernel"))
+        engine.runner.fused.release()
+        engine.runner.fused = FusedLayers(model, one_call=one_call)
+        assert all(w is not None for w in engine.runner.fused.whole) == one_call
+        one_by_one.clear()
+        prompts = {"long": list(range(5, 85)), **{str(i): list(range(7, 7 + n)) for i, n in enumerate(PROMPTS)}}
+        for rid, ids in prompts.items():   # the 80-token prompt's first step is past VNNI's rows
+            engine.add_request(rid, prompt_token_ids=ids, params=SamplingParams(
+                temperature=0, max_new_tokens=8, logprobs=3, prompt_logprobs=2))
+        got = {rid: [] for rid in prompts}
+        while engine.has_unfinished():
+            for event in engine.step():
+                got[event.request_id].append((event.token_ids, getattr(event, "finish_reason", None),
+                                              getattr(event, "logprobs", None), getattr(event, "prompt_logprobs", None)))
+        return got, list(one_by_one)
+
+    whole, rows_left = answers(True)
+    kernels, rows_all = answers(False)
+    assert whole == kernels   # tokens, and every log-probability to the bit
+    assert rows_all and all(rows > VNNI_ROWS for rows in rows_left)
+    if "amx" not in native.int8_tile_kernels():
+        assert rows_left, "a step past VNNI's rows took the whole-layer call"

@@ -1,4 +1,5 @@
-"""Builds the C kernels (attention, w8a8 rows, layer ops) with the system compiler on first use; loads them (ctypes)."""
+"""Builds the C kernels (attention, w8a8 rows, layer ops, whole layers) with the system compiler on first use; loads
+them (ctypes)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).parent / "attention" / "paged_attention.c"
 INT8_SOURCE = Path(__file__).parent / "weights" / "int8_rows.c"
 LAYER_SOURCE = Path(__file__).parent / "layer_ops.c"
+LAYER_STEP_SOURCE = Path(__file__).parent / "layer_step.c"   # built with the three above
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, row stride, codes, scales
@@ -104,13 +106,29 @@ def load_layer_ops() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(path: Path, what: str, fallback: str, flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
-    """flags: more compiler flags (benchmarks build variants with them, e.g. -DPAGED_PORTABLE)."""
+@cache
+def load_layer_step() -> ctypes.CDLL | None:
+    """A whole decoder layer of a CPU step in one call (layer_step.c, linked with the kernels it calls), or None
+    (logged): fused layers then call the kernels one by one."""
+    lib = _build(LAYER_STEP_SOURCE, "whole-layer kernel", "fused layers call the kernels one by one",
+                 also=(LAYER_SOURCE, INT8_SOURCE, SOURCE))
+    if lib is not None:
+        lib.layer_step.argtypes = [_P, _P, _P, _I64, _P]   # weights, step, x, x's row stride, out
+        lib.layer_step.restype = ctypes.c_int
+        lib.layer_step_scratch.argtypes = [_I64] * 6        # tokens, hidden, heads, kv heads, head dim, inner
+        lib.layer_step_scratch.restype = ctypes.c_int64
+    return lib
+
+
+def _build(path: Path, what: str, fallback: str, flags: tuple[str, ...] = (),
+           also: tuple[Path, ...] = ()) -> ctypes.CDLL | None:
+    """flags: more compiler flags (benchmarks build variants with them, e.g. -DPAGED_PORTABLE); also: more sources
+    linked into the same library."""
     cc = _compiler()
     if cc is None:
         log.warning("no C compiler (cc/gcc) found for the %s: %s", what, fallback)
         return None
-    source = path.read_bytes()
+    source = b"".join(p.read_bytes() for p in (path, *also))
     key = hashlib.sha256(source + " ".join([cc, *FLAGS, *flags, _cpu_identity()]).encode()).hexdigest()[:16]
     target = cache_dir() / f"{path.stem}-{key}.so"
     try:
@@ -118,8 +136,8 @@ def _build(path: Path, what: str, fallback: str, flags: tuple[str, ...] = ()) ->
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                subprocess.run([cc, *FLAGS, *flags, str(path), "-o", str(built), "-lm"], check=True,
-                               capture_output=True, text=True, timeout=120)
+                subprocess.run([cc, *FLAGS, *flags, str(path), *map(str, also), "-o", str(built), "-lm"],
+                               check=True, capture_output=True, text=True, timeout=120)
                 built.rename(target)   # atomic: a half-written library is never loaded
             log.info("compiled the %s: %s", what, target)
         return ctypes.CDLL(str(target))

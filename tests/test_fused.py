@@ -199,6 +199,7 @@ def test_a_whole_w8a8_layer_in_one_call_computes_the_kernels_one_by_one_to_the_b
         engine.runner.fused.release()
         engine.runner.fused = FusedLayers(model, one_call=one_call)
         assert all(w is not None for w in engine.runner.fused.whole) == one_call
+        assert ("one call a layer" in engine.runner.describe_steps()) == one_call
         one_by_one.clear()
         prompts = {"long": list(range(5, 85)), **{str(i): list(range(7, 7 + n)) for i, n in enumerate(PROMPTS)}}
         for rid, ids in prompts.items():   # the 80-token prompt's first step is past VNNI's rows

@@ -200,7 +200,8 @@ class ModelRunner:
         if self.compiled_eager:
             line += "; eager steps compiled"
         if self.fused is not None:
-            line += "; layers fused (C)"
+            whole = any(w is not None for w in self.fused.whole)
+            line += "; layers fused (C, one call a layer)" if whole else "; layers fused (C)"
         graphs = self.decode_graphs
         if graphs is None:
             return line + "; decode steps eager"

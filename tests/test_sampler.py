@@ -797,9 +797,10 @@ HOST_READS = ("nonzero", "_local_scalar_dense", "is_nonzero", "item")
     [SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=0)],
     [SamplingParams(temperature=0.7, top_k=40, min_p=0.05, presence_penalty=0.4, logit_bias={3: 2.0})],
 ], ids=["top-k-top-p", "top-p-alone", "top-k-min-p-penalties-bias"])
-def test_the_device_path_reads_nothing_on_the_host(kinds: list[SamplingParams]) -> None:
+def test_the_device_path_reads_nothing_on_the_host(kinds: list[SamplingParams], monkeypatch) -> None:
     """Outside the CPU a read in the middle of a step would wait for the device's queue: none may happen (the CPU
-    runs the same path with candidates=0)."""
+    runs the same path with candidates=0, and torch.topk as a device does, not the C top-k)."""
+    monkeypatch.setattr(sampler_module.native, "load_top_k", lambda: None)
     rows = 12
     params = [kinds[i % len(kinds)] for i in range(rows)]
     histories = [[1, 2, 3 + i] for i in range(rows)]
@@ -955,3 +956,45 @@ def test_greedy_takes_each_rows_first_largest_score_as_argmax_does() -> None:
     scores[3, 100] = float("nan")                    # NaN is the largest, as argmax has it
     assert torch.equal(sampler_module.first_largest(scores), scores.argmax(dim=-1))
     assert sampler_module.first_largest(scores)[:3].tolist() == [7, 3, 0]
+
+
+def _valid_top_k(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:
+    """values are the row's k best, best first, at `indices` (distinct columns); among equal scores the lower column
+    ranks first, so at a tie on the k-th score the lowest columns are kept."""
+    k = values.shape[1]
+    assert torch.equal(values, scores.topk(k, dim=-1).values)
+    assert torch.equal(scores.gather(1, indices), values)
+    for row, cols, kept in zip(scores, indices.tolist(), values):
+        assert len(set(cols)) == k
+        for a, b, va, vb in zip(cols, cols[1:], kept.tolist(), kept[1:].tolist()):
+            assert va > vb or (va == vb and a < b)
+        last = kept[-1]
+        tied = (row == last).nonzero().squeeze(1).tolist()
+        assert [c for c in cols if row[c] == last] == tied[:len([c for c in cols if row[c] == last])]
+
+
+@pytest.mark.parametrize("rows,cols,k", [(1, 49152, 256), (16, 49152, 51), (3, 49152, 1024), (5, 1000, 7),
+                                         (4, 100, 100), (2, 300, 40), (2, 256 * 3 + 17, 5)])
+def test_top_k_finds_each_rows_best_scores_as_torch_topk(rows, cols, k) -> None:
+    g = torch.Generator().manual_seed(rows * cols + k)
+    scores = torch.randn(rows, cols, generator=g) * 4
+    _valid_top_k(scores, *sampler_module.top_k(scores, k))
+    wide = torch.randn(rows, cols + 9, generator=g)[:, 3:cols + 3]   # rows a stride apart, as a slice's are
+    _valid_top_k(wide, *sampler_module.top_k(wide, k))
+
+
+def test_top_k_keeps_the_lowest_columns_among_ties_and_takes_masked_and_nan_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    ties = torch.randint(0, 4, (3, 5000), generator=g).float()   # a quarter of each row shares the best score
+    _valid_top_k(ties, *sampler_module.top_k(ties, 300))
+    masked = torch.full((2, 49152), float("-inf"))   # a grammar mask leaves a few tokens
+    masked[0, [5, 40000, 77]] = torch.tensor([1.0, 2.0, 1.0])
+    values, indices = sampler_module.top_k(masked, 256)
+    _valid_top_k(masked, values, indices)
+    assert indices[0, :3].tolist() == [40000, 5, 77] and indices[1, :2].tolist() == [0, 1]
+    nan = torch.randn(2, 49152, generator=g)
+    nan[0, ::2] = float("nan")
+    nan[1] = float("nan")
+    values, indices = sampler_module.top_k(nan, 256)   # no meaningful answer, but in range and distinct
+    assert all(len(set(row)) == 256 and 0 <= min(row) and max(row) < 49152 for row in indices.tolist())
+    assert torch.equal(values[0], nan[0].nan_to_num(nan=float("-inf")).topk(256).values)

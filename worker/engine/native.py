@@ -1,5 +1,5 @@
-"""Builds the C kernels (attention, w8a8 rows, layer ops, whole layers) with the system compiler on first use; loads
-them (ctypes)."""
+"""Builds the C kernels (attention, w8a8 rows, layer ops, whole layers, top-k) with the system compiler on first use;
+loads them (ctypes)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ SOURCE = Path(__file__).parent / "attention" / "paged_attention.c"
 INT8_SOURCE = Path(__file__).parent / "weights" / "int8_rows.c"
 LAYER_SOURCE = Path(__file__).parent / "layer_ops.c"
 LAYER_STEP_SOURCE = Path(__file__).parent / "layer_step.c"   # built with the three above
+TOP_K_SOURCE = Path(__file__).parent / "top_k.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC"]
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, row stride, codes, scales
@@ -117,6 +118,16 @@ def load_layer_step() -> ctypes.CDLL | None:
         lib.layer_step.restype = ctypes.c_int
         lib.layer_step_scratch.argtypes = [_I64] * 6        # tokens, hidden, heads, kv heads, head dim, inner
         lib.layer_step_scratch.restype = ctypes.c_int64
+    return lib
+
+
+@cache
+def load_top_k() -> ctypes.CDLL | None:
+    """The sampler's top-k selection in C (top_k.c), or None (logged): the sampler then takes torch.topk."""
+    lib = _build(TOP_K_SOURCE, "top-k kernel", "the sampler uses torch.topk")
+    if lib is not None:
+        lib.top_k_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I32]   # x, rows, cols, stride, k, out...
+        lib.top_k_f32.restype = ctypes.c_int
     return lib
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from worker.engine import native
 from worker.engine.dry import BreakerResolver, DryRows, dry_penalise_
 from worker.engine.logprobs import pack as pack_logprobs
 from worker.engine.sampling_params import SamplingParams
@@ -452,7 +453,7 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
     if width >= vocab:
         values, indices = scores.sort(dim=-1, descending=True)
     else:
-        values, indices = scores.topk(width, dim=-1)
+        values, indices = top_k(scores, width)
     weights = (values - row_max).exp_()
     ranks = torch.arange(values.shape[1], device=scores.device)
     keep = ranks < rows.top_k
@@ -469,6 +470,21 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
     threshold = threshold.masked_fill(~rows.restricted, float("-inf"))
     unknown = rows.restricted & (rows.top_k > width) & (rows.has_top_k | (count == width))
     return Cutoff(threshold, values, indices, weights, unknown)
+
+
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's k best scores, best first, and their columns: torch.topk's, in C on a CPU (top_k.c: one pass
+    against the k-th best so far, a tenth of torch.topk's time over a vocabulary), where equal scores keep the lower
+    column first."""
+    lib = native.load_top_k() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
+    if lib is None or scores.dim() != 2 or scores.stride(-1) != 1 or not 0 < k <= scores.shape[1]:
+        return scores.topk(k, dim=-1)
+    rows, cols = scores.shape
+    values, indices = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
+    if lib.top_k_f32(scores.data_ptr(), rows, cols, scores.stride(0), k, values.data_ptr(), indices.data_ptr(),
+                     torch.get_num_threads()) != 0:
+        raise MemoryError(f"top-k: no memory for {k} entries a row")
+    return values, indices
 
 
 def min_p_floor(row_max: torch.Tensor, rows: RowParams) -> torch.Tensor | None:

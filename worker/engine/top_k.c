@@ -1,0 +1,148 @@
+/* The k best scores of each row and their columns, best first (the sampler's top-k/top-p candidates on CPU), in place
+ * of torch.topk's selection: each block of 16 scores' largest in a vectorised pass, then only the blocks that can hold
+ * one of the k best go through a heap. Equal scores rank the lower column first, so the k kept are the same whatever
+ * the order they are met in. A NaN is never ranked above a number (torch.topk puts it first); a row of NaN logits has
+ * no meaningful draw either way. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define BLOCK 16                 /* scores a vector */
+#define GROUP (BLOCK * BLOCK)   /* scores of one pass over 16 vectors */
+
+typedef struct {
+    float value;
+    int64_t index;
+} entry;
+
+/* a ranks below b: a lower score, or the same score at a higher column */
+static inline int below(const entry *a, const entry *b) {
+    return a->value < b->value || (a->value == b->value && a->index > b->index);
+}
+
+/* min-heap by rank: heap[0] is the worst kept entry */
+static void sift_down(entry *heap, int64_t k, int64_t i) {
+    for (;;) {
+        int64_t low = i, l = 2 * i + 1, r = l + 1;
+        if (l < k && below(&heap[l], &heap[low]))
+            low = l;
+        if (r < k && below(&heap[r], &heap[low]))
+            low = r;
+        if (low == i)
+            return;
+        const entry t = heap[i];
+        heap[i] = heap[low];
+        heap[low] = t;
+        i = low;
+    }
+}
+
+/* the k best of n entries (n >= k) into heap: the best by rank, whatever order they come in */
+static void select_entries(const entry *from, int64_t n, int64_t k, entry *heap) {
+    for (int64_t j = 0; j < k; j++)
+        heap[j] = from[j];
+    for (int64_t i = k / 2 - 1; i >= 0; i--)
+        sift_down(heap, k, i);
+    for (int64_t j = k; j < n; j++)
+        if (below(&heap[0], &from[j])) {
+            heap[0] = from[j];
+            sift_down(heap, k, 0);
+        }
+}
+
+/* The k-th largest value among n entries (1 <= k <= n, no NaN), by quickselect on their values, which it reorders. */
+static float kth_largest(entry *e, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;   /* descending order: position want */
+    while (lo < hi) {
+        const float pivot = e[lo + (hi - lo) / 2].value;
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (e[i].value > pivot)
+                i++;
+            while (pivot > e[j].value)
+                j--;
+            if (i <= j) {
+                const entry t = e[i];
+                e[i] = e[j];
+                e[j] = t;
+                i++;
+                j--;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            break;
+    }
+    return e[want].value;
+}
+
+/* One row. A group of GROUP scores is 16 vectors of 16; the largest of each lane across the group (a vectorised
+ * pass) is the top of a "block" of 16 scores a vector apart. The k-th largest block top, t, has at least k scores at
+ * or above it, so only scores >= t are candidates: about k blocks' worth on a row of distinct scores. The candidates
+ * (and the tail past the last whole group) then go through the heap. pool: cols entries; tops: cols / BLOCK. */
+static void row_top_k(const float *x, int64_t cols, int64_t k, entry *heap, entry *pool, entry *tops, float *values,
+                      int64_t *indices) {
+    const int64_t groups = cols / GROUP, blocks = groups * BLOCK;
+    int64_t n = 0;
+    if (blocks >= k) {
+        for (int64_t g = 0; g < groups; g++) {
+            const float *v = x + g * GROUP;
+            float top[BLOCK];
+            for (int l = 0; l < BLOCK; l++)
+                top[l] = -INFINITY;   /* a NaN never becomes a top */
+            for (int r = 0; r < BLOCK; r++)
+                for (int l = 0; l < BLOCK; l++)
+                    top[l] = v[r * BLOCK + l] > top[l] ? v[r * BLOCK + l] : top[l];
+            for (int l = 0; l < BLOCK; l++)
+                tops[g * BLOCK + l] = (entry){top[l], g * BLOCK + l};
+        }
+        const float t = kth_largest(tops, blocks, k);
+        for (int64_t j = 0; j < blocks; j++)
+            if (tops[j].value >= t) {
+                const int64_t b = tops[j].index, first = (b / BLOCK) * GROUP + b % BLOCK;
+                for (int r = 0; r < BLOCK; r++)
+                    if (x[first + r * BLOCK] >= t)
+                        pool[n++] = (entry){x[first + r * BLOCK], first + r * BLOCK};
+            }
+        for (int64_t j = groups * GROUP; j < cols; j++)
+            if (x[j] >= t)
+                pool[n++] = (entry){x[j], j};
+    }
+    if (n < k) {   /* short rows, or fewer than k numbers (NaN): every score is a candidate */
+        n = 0;
+        for (int64_t j = 0; j < cols; j++)
+            pool[n++] = (entry){x[j], j};
+    }
+    select_entries(pool, n, k, heap);
+    for (int64_t m = k; m > 0; m--) {   /* pop the worst into the last free place: best first */
+        values[m - 1] = heap[0].value;
+        indices[m - 1] = heap[0].index;
+        heap[0] = heap[m - 1];
+        sift_down(heap, m - 1, 0);
+    }
+}
+
+/* values [rows, k], indices [rows, k] for x [rows, cols] (rows `stride` apart), 0 < k <= cols. Returns 0, or -1 when
+ * memory for the heaps runs out. */
+int top_k_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t k, float *values,
+              int64_t *indices, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads) if (rows > 1) reduction(| : failed)
+    {
+        entry *heap = malloc(sizeof(entry) * (size_t)k), *pool = malloc(sizeof(entry) * (size_t)cols);
+        entry *tops = malloc(sizeof(entry) * (size_t)(cols / BLOCK + 1));
+        const int ready = heap != NULL && pool != NULL && tops != NULL;
+        failed = !ready;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < rows; m++)
+            if (ready)
+                row_top_k(x + m * stride, cols, k, heap, pool, tops, values + m * k, indices + m * k);
+        free(heap);
+        free(pool);
+        free(tops);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,8 +1,8 @@
 /* The k best scores of each row and their columns, best first (the sampler's top-k/top-p candidates on CPU), in place
- * of torch.topk's selection: each block of 16 scores' largest in a vectorised pass, then only the blocks that can hold
- * one of the k best go through a heap. Equal scores rank the lower column first, so the k kept are the same whatever
- * the order they are met in. A NaN is never ranked above a number (torch.topk puts it first); a row of NaN logits has
- * no meaningful draw either way. */
+ * of torch.topk's selection: the largest score of each block of 16 in a vectorised pass, the k-th largest of those by
+ * quickselect, then only the scores at or above it through a heap. Equal scores rank the lower column first, so the
+ * k kept are the same whatever the order they are met in. NaN scores are left out while the row has k numbers
+ * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -73,6 +73,7 @@ class FusedLayers:
         self.step_lib = native.load_layer_step() if one_call else None
         self.whole: list[WholeLayer | None] = [
             whole_layer(layer) if self.step_lib is not None else None for layer in self.layers]
+        self.scratch_per_token = max((w.scratch_per_token for w in self.whole if w is not None), default=0)
         self._step: tuple | None = None
         for layer, whole in zip(self.layers, self.whole):
             layer.forward = self._forward_of(layer, whole)
@@ -120,7 +121,7 @@ class FusedLayers:
         cos, sin = (t[0].contiguous() for t in position_embeddings)
         row_seq, row_pos, tables = ctx.kernel_tensors
         kv = ctx.kv   # [2, layers, kv_heads, blocks, block_size, head_dim]
-        scratch = _new(tokens * max(w.scratch_per_token for w in self.whole if w is not None))
+        scratch = _new(tokens * self.scratch_per_token)
         args = StepArgs(tokens, cos.data_ptr(), sin.data_ptr(), ctx.slots.data_ptr(), row_seq.data_ptr(),
                         row_pos.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.kernel_max_context,
                         kv[0, 0].data_ptr(), kv[1, 0].data_ptr(), kv.stride(1), kv.shape[3], kv.shape[4],
@@ -147,14 +148,21 @@ class Projections:
     down: Project
 
 
+def shared_matmul(linears: tuple[torch.nn.Module, ...]) -> Int8Matmul | None:
+    """The Int8Matmul the linears share when they are all of its members, in order (w8a8 siblings); else None."""
+    matmul = getattr(linears[0], "matmul", None)
+    if (isinstance(matmul, Int8Matmul) and len(matmul.columns) == len(linears)
+            and all(isinstance(m, W8A8Linear) and m.matmul is matmul and m.member == i for i, m in enumerate(linears))):
+        return matmul
+    return None
+
+
 def together(*linears: torch.nn.Module) -> Project:
     """The linears' results for one input. w8a8 siblings that share one Int8Matmul (all of its members, in order)
     run it once, directly, and take their columns: the same product as through each module, without a module call
     and the shared result's bookkeeping for each."""
-    first = linears[0]
-    matmul = getattr(first, "matmul", None)
-    if (isinstance(matmul, Int8Matmul) and len(matmul.columns) == len(linears)
-            and all(isinstance(m, W8A8Linear) and m.matmul is matmul and m.member == i for i, m in enumerate(linears))):
+    matmul = shared_matmul(linears)
+    if matmul is not None:
         if len(linears) == 1:
             return lambda x: (matmul._run(x),)
         columns = matmul.columns
@@ -209,11 +217,8 @@ class WholeLayer:
 def _product(linears: tuple[torch.nn.Module, ...]) -> tuple[Product, float] | None:
     """The w8a8 product the linears share (all of its members, in order) in a tile kernel, and the most rows it
     takes there; None for anything else."""
-    matmul = getattr(linears[0], "matmul", None)
-    if not (isinstance(matmul, Int8Matmul) and matmul.kernel in ("amx", "vnni") and matmul.row_kernels
-            and len(matmul.columns) == len(linears)
-            and all(isinstance(m, W8A8Linear) and m.matmul is matmul and m.member == i
-                    for i, m in enumerate(linears))):
+    matmul = shared_matmul(linears)
+    if matmul is None or matmul.kernel not in ("amx", "vnni") or not matmul.row_kernels:
         return None
     bias = matmul.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):

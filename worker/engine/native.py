@@ -77,34 +77,23 @@ def _compiler() -> str | None:
 @cache
 def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled paged-attention kernel, or None (logged) when there is no compiler or the build fails."""
-    lib = _build(SOURCE, "paged-attention kernel", "falling back to gathering the context", flags)
-    if lib is not None:
-        lib.paged_attention_f32.argtypes = ARGTYPES
-        lib.paged_attention_f32.restype = ctypes.c_int
-    return lib
+    return _declared(_build(SOURCE, "paged-attention kernel", "falling back to gathering the context", flags),
+                     {"paged_attention_f32": ARGTYPES}, {"paged_attention_f32": ctypes.c_int})
 
 
 @cache
 def load_int8_rows() -> ctypes.CDLL | None:
     """The compiled w8a8 row kernels, or None (logged): w8a8 then quantises and scales with torch's ops."""
-    lib = _build(INT8_SOURCE, "w8a8 row kernels", "w8a8 uses torch's ops for them")
-    if lib is not None:
-        for name, argtypes in INT8_ARGTYPES.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = INT8_RESTYPES.get(name)
-    return lib
+    return _declared(_build(INT8_SOURCE, "w8a8 row kernels", "w8a8 uses torch's ops for them"), INT8_ARGTYPES,
+                     INT8_RESTYPES)
 
 
 @cache
 def load_layer_ops() -> ctypes.CDLL | None:
     """The compiled layer kernels (RMSNorm, rotary, SiLU-and-multiply), or None (logged): layers then run the
     model's own code."""
-    lib = _build(LAYER_SOURCE, "layer kernels", "decoder layers run the model's own code")
-    if lib is not None:
-        for name, argtypes in LAYER_ARGTYPES.items():
-            getattr(lib, name).argtypes = argtypes
-            getattr(lib, name).restype = ctypes.c_int if name == "rotary_f32" else None
-    return lib
+    return _declared(_build(LAYER_SOURCE, "layer kernels", "decoder layers run the model's own code"),
+                     LAYER_ARGTYPES, {"rotary_f32": ctypes.c_int})
 
 
 @cache
@@ -113,21 +102,26 @@ def load_layer_step() -> ctypes.CDLL | None:
     (logged): fused layers then call the kernels one by one."""
     lib = _build(LAYER_STEP_SOURCE, "whole-layer kernel", "fused layers call the kernels one by one",
                  also=(LAYER_SOURCE, INT8_SOURCE, SOURCE))
-    if lib is not None:
-        lib.layer_step.argtypes = [_P, _P, _P, _I64, _P]   # weights, step, x, x's row stride, out
-        lib.layer_step.restype = ctypes.c_int
-        lib.layer_step_scratch.argtypes = [_I64] * 6        # tokens, hidden, heads, kv heads, head dim, inner
-        lib.layer_step_scratch.restype = ctypes.c_int64
-    return lib
+    return _declared(lib, {"layer_step": [_P, _P, _P, _I64, _P],   # weights, step, x, x's row stride, out
+                           "layer_step_scratch": [_I64] * 6},      # tokens, hidden, heads, kv heads, head dim, inner
+                     {"layer_step": ctypes.c_int, "layer_step_scratch": ctypes.c_int64})
 
 
 @cache
 def load_top_k() -> ctypes.CDLL | None:
     """The sampler's top-k selection in C (top_k.c), or None (logged): the sampler then takes torch.topk."""
-    lib = _build(TOP_K_SOURCE, "top-k kernel", "the sampler uses torch.topk")
+    return _declared(_build(TOP_K_SOURCE, "top-k kernel", "the sampler uses torch.topk"),
+                     {"top_k_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _I32]},   # x, rows, cols, stride, k, out...
+                     {"top_k_f32": ctypes.c_int})
+
+
+def _declared(lib: ctypes.CDLL | None, argtypes: dict[str, list], restypes: dict[str, type]) -> ctypes.CDLL | None:
+    """lib with each named function's argument types set, and its result type (None where not named: void)."""
     if lib is not None:
-        lib.top_k_f32.argtypes = [_P, _I64, _I64, _I64, _I64, _P, _P, _I32]   # x, rows, cols, stride, k, out...
-        lib.top_k_f32.restype = ctypes.c_int
+        for name, types in argtypes.items():
+            function = getattr(lib, name)
+            function.argtypes = types
+            function.restype = restypes.get(name)
     return lib
 
 

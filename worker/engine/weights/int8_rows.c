@@ -58,13 +58,16 @@ void scale_rows_cols(const int32_t *acc, int64_t rows, int64_t cols, const float
 
 /* VNNI: one tile of 16 channels for a block of up to R rows of shifted activations, laid out [K/4][16 rows][4] so a
  * step's broadcasts read one 64-byte line: out = (acc - shift) * (row scale * channel scale), as
- * scale_rows_cols computes it. */
+ * scale_rows_cols computes it. Each step also asks for a line of the next tile (the same size, next in memory: the
+ * thread's next one) into L2: the hardware prefetcher alone left a 16-row step waiting on memory for a third of
+ * its time (docs/BENCHMARKS.md). Prefetches never fault, so the one past the last tile is harmless. */
 #define TILE_ROWS(R)                                                                                        \
     static void tile_##R(const uint8_t *a, int64_t k, int64_t rows, const int8_t *tile, const int32_t *shift, \
                          const float *row_scales, const float *col_scales, float *out, int64_t n) {          \
         __m512i acc[R];                                                                                      \
         _Pragma("GCC unroll 16") for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_si512();                \
         for (int64_t i = 0; i < k / 4; i++) {                                                                \
+            _mm_prefetch((const char *)(tile + k * 16 + i * 64), _MM_HINT_T1);                              \
             const __m512i w = _mm512_loadu_si512((const void *)(tile + i * 64));                             \
             const int32_t *four = (const int32_t *)(a + i * 64);                                             \
             _Pragma("GCC unroll 16") for (int r = 0; r < R; r++)                                             \
@@ -185,7 +188,7 @@ int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const
         for (int64_t pair = 0; pair < (tiles + 1) / 2; pair++) {
             const int64_t t = pair * 2;
             const int two = t + 1 < tiles;
-            const int8_t *w0 = packed + t * k * 16, *w1 = w0 + k * 16;
+            const int8_t *w0 = packed + t * k * 16, *w1 = w0 + k * 16, *next = w0 + 2 * k * 16;
             for (int64_t b = 0; b < blocks; b += 2) {
                 const int both = b + 1 < blocks;
                 const uint8_t *a0 = shifted + b * 16 * k, *a1 = a0 + 16 * k;
@@ -194,6 +197,11 @@ int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const
                 _tile_zero(2);
                 _tile_zero(3);
                 for (int64_t i = 0; i < k; i += 64) {
+                    if (b == 0)   /* the next pair's lines for these inputs into L2, as the VNNI kernel does */
+                        for (int64_t line = 0; line < 1024; line += 64) {
+                            _mm_prefetch((const char *)(next + i * 16 + line), _MM_HINT_T1);
+                            _mm_prefetch((const char *)(next + k * 16 + i * 16 + line), _MM_HINT_T1);
+                        }
                     _tile_loadd(4, a0 + i, k);
                     _tile_loadd(6, w0 + i * 16, 64);
                     _tile_dpbusd(0, 4, 6);

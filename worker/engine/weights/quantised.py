@@ -285,10 +285,7 @@ def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift:
         threads = torch.get_num_threads()
         out = torch.empty(rows, n)
         if kernel == "amx" or (kernel == "vnni" and rows <= VNNI_ROWS):   # quantised and multiplied in one call
-            if lib.quantize_matmul_s8(flat.data_ptr(), rows, cols, flat.stride(0), n, tiles.data_ptr(),
-                                      shift.data_ptr(), scales.data_ptr(), out.data_ptr(), kernel == "amx",
-                                      threads) < 0:
-                raise MemoryError(f"w8a8: no memory for the scratch of {rows} rows of {cols}")
+            tile_matmul(lib, flat, kernel, tiles, shift, scales, out)
         else:
             codes = torch.empty(rows, cols, dtype=torch.int8)
             row_scales = torch.empty(rows, 1)
@@ -301,6 +298,17 @@ def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift:
         out += bias
     out = out if x.dtype == torch.float32 else out.to(x.dtype)
     return out.reshape(*x.shape[:-1], n)
+
+
+def tile_matmul(lib, flat: torch.Tensor, kernel: str, tiles: torch.Tensor, shift: torch.Tensor,
+                scales: torch.Tensor, out: torch.Tensor) -> None:
+    """out [M, N] = float32 rows `flat` [M, K] (unit column stride) quantised and multiplied by tiled int8 weights
+    in one C call, by `kernel` ("amx" or "vnni") at any row count: int8_matmul's path up to VNNI_ROWS for VNNI."""
+    rows, cols = flat.shape
+    if lib.quantize_matmul_s8(flat.data_ptr(), rows, cols, flat.stride(0), scales.shape[0], tiles.data_ptr(),
+                              shift.data_ptr(), scales.data_ptr(), out.data_ptr(), kernel == "amx",
+                              torch.get_num_threads()) < 0:
+        raise MemoryError(f"w8a8: no memory for the scratch of {rows} rows of {cols}")
 
 
 @torch.library.custom_op("supportbot::w8a8_matmul", mutates_args=())

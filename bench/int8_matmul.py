@@ -8,8 +8,8 @@ does not depend on its values. The default model's int8 weights (134 MB) are mor
 pass reads them from memory as a decode step does. Each kernel makes the engine's own call: the tile kernels
 ("vnni", "amx") quantise and multiply in one C call at any row count (the engine hands VNNI's steps past
 `VNNI_ROWS` rows to torch._int_mm: this measures that threshold); "torch._int_mm" quantises and scales in C around
-torch's matmul. The kernels alternate within each repeat. Prints the median ms of a whole pass and the weights'
-bytes over it in GB/s.
+torch's matmul. Each kernel's products are first checked against torch._int_mm's, bit for bit; then the kernels
+alternate within each repeat. Prints the median ms of a whole pass and the weights' bytes over it in GB/s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, PretrainedConfig
 
 from bench.random_model import resolve_config
 from worker.engine import native
@@ -29,36 +30,51 @@ from worker.engine.weights.quantised import UNTILED, VNNI_ROWS, Int8Matmul, int8
 KERNELS = ("vnni", "amx", UNTILED)
 
 
-def model_matmuls(config: dict) -> list[Int8Matmul]:
+def model_matmuls(config: PretrainedConfig) -> list[Int8Matmul]:
     """One Int8Matmul per stacked linear of the model, in a forward pass's order, random weights."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)] * config["num_hidden_layers"]
-    shapes.append((config["vocab_size"], hidden))
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    shapes = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)] * config.num_hidden_layers
+    shapes.append((config.vocab_size, hidden))
     generator = torch.Generator().manual_seed(0)
     return [Int8Matmul([torch.randn(n, k, generator=generator)], [None]) for n, k in shapes]
+
+
+def product(kernel: str, m: Int8Matmul, x: torch.Tensor, lib) -> torch.Tensor:
+    if kernel == UNTILED:
+        return int8_matmul(x, "", None, None, m.codes_t, m.scales, None)
+    out = torch.empty(len(x), m.scales.shape[0])
+    tile_matmul(lib, x, kernel, m.tiles, m.shift, m.scales, out)
+    return out
 
 
 def one_pass(kernel: str, matmuls: list[Int8Matmul], inputs: dict[int, torch.Tensor], lib) -> float:
     start = time.perf_counter()
     for m in matmuls:
-        x = inputs[m.in_features]
-        if kernel == UNTILED:
-            int8_matmul(x, "", None, None, m.codes_t, m.scales, None)
-        else:
-            tile_matmul(lib, x, kernel, m.tiles, m.shift, m.scales, torch.empty(len(x), m.scales.shape[0]))
+        product(kernel, m, inputs[m.in_features], lib)
     return time.perf_counter() - start
 
 
-def main() -> None:
+def check(kernels: list[str], matmuls: list[Int8Matmul], inputs: dict[int, torch.Tensor], lib) -> None:
+    """Each kernel's products of one layer and the head equal torch._int_mm's to the bit, or the run stops."""
+    for m in [*matmuls[:4], matmuls[-1]]:
+        x = inputs[m.in_features]
+        expected = product(UNTILED, m, x, lib)
+        for kernel in kernels:
+            if not torch.equal(product(kernel, m, x, lib), expected):
+                raise SystemExit(f"{kernel}: a [{len(x)}, {m.in_features}] x [{m.in_features}, "
+                                 f"{m.scales.shape[0]}] product differs from torch._int_mm's")
+
+
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="smollm2-135m", help="a config.json, its folder, or a built-in shape")
     parser.add_argument("--rows", default="1,4,16,48,64,128")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--kernels", default=",".join(KERNELS))
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     lib = native.load_int8_rows()
     here = native.int8_tile_kernels()
@@ -67,8 +83,11 @@ def main() -> None:
         print(f"{missing}: not on this CPU (tile kernels here: {', '.join(sorted(here)) or 'none'})")
     if lib is None or not kernels:
         raise SystemExit("no w8a8 kernel to measure here: the int8 row kernels need a C compiler")
-    config = json.loads(resolve_config(args.config).read_text())
+    config = AutoConfig.from_pretrained(str(resolve_config(args.config).parent))
     matmuls = model_matmuls(config)
+    if any(m.tiles is None for m in matmuls) and any(k != UNTILED for k in kernels):
+        raise SystemExit(f"{args.config}: some matmuls have shapes outside the tiles (inputs a multiple of 64 for AMX "
+                         "or 4 for VNNI, outputs of 16); measure them with --kernels torch._int_mm")
     for m in matmuls:   # the engine keeps [K, N] codes only for torch._int_mm's own steps; the bench keeps them all
         if m.codes_t is None:
             m.codes_t = m.plain_codes_t().contiguous()
@@ -80,6 +99,7 @@ def main() -> None:
     for rows in (int(r) for r in args.rows.split(",")):
         generator = torch.Generator().manual_seed(rows)
         inputs = {k: torch.randn(rows, k, generator=generator) for k in {m.in_features for m in matmuls}}
+        check(kernels, matmuls, inputs, lib)
         times: dict[str, list[float]] = {k: [] for k in kernels}
         for repeat in range(args.repeats + 1):   # the first pass warms each kernel's code and scratch
             for kernel in kernels:
@@ -93,9 +113,11 @@ def main() -> None:
         results.append(line)
         print(f"{rows:5d} rows  " + "  ".join(f"{k} {line[k]['ms']:7.2f} ms ({line[k]['gb_per_s']:5.1f} GB/s)"
                                               for k in kernels))
+    summary = {"config": args.config, "threads": torch.get_num_threads(), "weight_bytes": weight_bytes,
+               "kernels": kernels, "results": results}
     if args.json:
-        args.json.write_text(json.dumps({"config": args.config, "threads": torch.get_num_threads(),
-                                         "weight_bytes": weight_bytes, "results": results}, indent=1))
+        args.json.write_text(json.dumps(summary, indent=1))
+    return summary
 
 
 if __name__ == "__main__":

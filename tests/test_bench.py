@@ -412,3 +412,33 @@ def test_keyspace_bench_finds_the_workers_each_way_and_prints_the_ratio(capsys):
     keyspace.main(["--sizes", "200,2000", "--tries", "1"])   # each lookup asserts it found both workers
     lines = [line for line in capsys.readouterr().out.splitlines() if "scan / names" in line]
     assert len(lines) == 2 and "2,003 keys" in lines[1]
+
+
+def test_int8_matmul_bench_checks_each_kernel_against_torch_and_times_every_row_count(tiny_config, capsys):
+    from bench import int8_matmul
+
+    result = int8_matmul.main(["--config", str(tiny_config), "--rows", "1,17", "--repeats", "2"])
+    assert result["kernels"][-1] == "torch._int_mm"
+    assert set(result["kernels"]) - {"torch._int_mm"} == set(native.int8_tile_kernels())
+    assert [line["rows"] for line in result["results"]] == [1, 17]
+    for line in result["results"]:
+        assert all(line[kernel]["ms"] > 0 and line[kernel]["gb_per_s"] > 0 for kernel in result["kernels"])
+    # 2 layers of 4 stacked matmuls and the head, 64 wide: q/k/v 128, o 64, gate/up 256, down 64 outputs
+    assert result["weight_bytes"] == 2 * 64 * (128 + 64 + 256) + 2 * 128 * 64 + 64 * 151936
+    assert "torch._int_mm" in capsys.readouterr().out
+
+
+def test_int8_matmul_bench_stops_when_a_kernel_differs_from_torch(tiny_config, monkeypatch):
+    from bench import int8_matmul
+
+    if not native.int8_tile_kernels():
+        pytest.skip("no w8a8 tile kernel on this CPU")
+    real = int8_matmul.tile_matmul
+
+    def off_by_one(lib, flat, kernel, tiles, shift, scales, out):
+        real(lib, flat, kernel, tiles, shift, scales, out)
+        out[0, 0] += 1
+
+    monkeypatch.setattr(int8_matmul, "tile_matmul", off_by_one)
+    with pytest.raises(SystemExit, match="differs from torch._int_mm's"):
+        int8_matmul.main(["--config", str(tiny_config), "--rows", "1", "--repeats", "1"])

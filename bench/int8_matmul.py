@@ -21,9 +21,9 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, PretrainedConfig
+from transformers import PretrainedConfig
 
-from bench.random_model import resolve_config
+from bench.random_model import read_config
 from worker.engine import native
 from worker.engine.weights.quantised import UNTILED, VNNI_ROWS, Int8Matmul, int8_matmul, tile_matmul
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{missing}: not on this CPU (tile kernels here: {', '.join(sorted(here)) or 'none'})")
     if lib is None or not kernels:
         raise SystemExit("no w8a8 kernel to measure here: the int8 row kernels need a C compiler")
-    config = AutoConfig.from_pretrained(str(resolve_config(args.config).parent))
+    config = read_config(args.config)
     matmuls = model_matmuls(config)
     if any(m.tiles is None for m in matmuls) and any(k != UNTILED for k in kernels):
         raise SystemExit(f"{args.config}: some matmuls have shapes outside the tiles (inputs a multiple of 64 for AMX "

@@ -30,24 +30,31 @@ def resolve_config(ref: str) -> Path:
                          f"built-in: {', '.join(builtin_configs())}")
 
 
-def load_random_model(ref: str, device: str | None = None, dtype: str | torch.dtype | None = None,
-                      tokenizer_model: str | None = None, seed: int = 0):
-    """(model, tokenizer): the config's shape with seeded random weights, and the default model's tokenizer.
-
-    The tokenizer's special tokens replace the config's own, so EOS and padding mean the same to every method.
-    """
-    from transformers import AutoConfig, AutoModelForCausalLM
+def read_config(ref: str, **overrides):
+    """The transformers config of `ref` (see resolve_config), its model type's defaults filling what it leaves out."""
+    from transformers import AutoConfig
 
     path = resolve_config(ref)
     settings = json.loads(path.read_text())
     model_type = settings.pop("model_type", None)
     if not model_type:
         raise ModelLoadError(f"{path} names no model_type")
+    return AutoConfig.for_model(model_type, **{**settings, **overrides})
+
+
+def load_random_model(ref: str, device: str | None = None, dtype: str | torch.dtype | None = None,
+                      tokenizer_model: str | None = None, seed: int = 0):
+    """(model, tokenizer): the config's shape with seeded random weights, and the default model's tokenizer.
+
+    The tokenizer's special tokens replace the config's own, so EOS and padding mean the same to every method.
+    """
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_config(ref)
     tokenizer = load_tokenizer(tokenizer_model)
-    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        settings[name] = getattr(tokenizer, name)
-    settings["vocab_size"] = max(settings.get("vocab_size", 0), len(tokenizer))
-    config = AutoConfig.for_model(model_type, **settings)
+    settings = {name: getattr(tokenizer, name) for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    config = read_config(ref, **settings)
+    config.vocab_size = max(config.vocab_size, len(tokenizer))
     dev = pick_device(device)
     dt = pick_dtype(dev, dtype)
     torch.manual_seed(seed)

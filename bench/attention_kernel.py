@@ -1,10 +1,13 @@
-"""The paged-attention C kernel's AVX-512 path against its portable path, in one run, on decode rows and a chunk.
+"""The paged-attention C kernel's AVX-512 path against its portable path, in one run, on decode rows and a chunk,
+over a float32 pool and a float16 one.
 
-    python -m bench.attention_kernel [--contexts 64,256,1024] [--threads 2] [--json PATH]
+    python -m bench.attention_kernel [--contexts 64,256,1024] [--pools float32,float16] [--threads 2] [--json PATH]
 
 Both are built from worker/engine/paged_attention.c (the portable one with -DPAGED_PORTABLE) and called as the
 engine calls them, over a pool whose blocks are shuffled. Each figure is the median of `--repeats` calls;
-each output is checked against float64 attention over the same keys (relative error).
+each output is checked against float64 attention over the same pool (relative error), so a float16 pool's error is
+the kernel's arithmetic, not the pool's rounding. `f32_over_f16` is the AVX-512 path's time over a float32 pool
+divided by its time over a float16 one, for the same case.
 """
 
 from __future__ import annotations
@@ -26,20 +29,26 @@ SHAPES = [("smollm2-135m", 9, 3, 64), ("qwen3-0.6b", 16, 8, 128)]
 BLOCK_SIZE = 16
 
 
-def kernel(flags: tuple[str, ...]):
+POOLS = {"float32": (torch.float32, "paged_attention_f32"), "float16": (torch.float16, "paged_attention_f16kv")}
+
+
+def kernel(flags: tuple[str, ...], pool: str = "float32"):
     lib = native.load(flags)
     if lib is None:
         raise SystemExit("the paged-attention kernel did not build (no C compiler?)")
-    return lib.paged_attention_f32
+    return getattr(lib, POOLS[pool][1])
 
 
-def case(heads: int, kv_heads: int, head_dim: int, rows: int, chunk: int, context: int, seed: int = 0) -> dict:
-    """`rows` sequences, each attending its last `chunk` positions (1: decode rows) at `context` tokens."""
+def case(heads: int, kv_heads: int, head_dim: int, rows: int, chunk: int, context: int, seed: int = 0,
+         pool: str = "float32") -> dict:
+    """`rows` sequences, each attending its last `chunk` positions (1: decode rows) at `context` tokens, over a
+    pool of `pool`'s dtype."""
     gen = torch.Generator().manual_seed(seed)
     width = -(-context // BLOCK_SIZE)
     num_blocks = rows * width + 1
-    kc = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
-    vc = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen)
+    dtype = POOLS[pool][0]
+    kc = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
+    vc = torch.randn(kv_heads, num_blocks, BLOCK_SIZE, head_dim, generator=gen).to(dtype)
     tables = torch.randperm(num_blocks, generator=gen)[:rows * width].reshape(rows, width).to(torch.int32)
     tokens = rows * chunk
     q = torch.randn(tokens, heads, head_dim, generator=gen)
@@ -96,36 +105,45 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--contexts", default="64,256,1024", help="decode rows' context lengths")
     parser.add_argument("--rows", type=int, default=16, help="decode rows (sequences) per call")
     parser.add_argument("--chunk", type=int, default=128, help="also one prefill chunk of this many rows (0: none)")
+    parser.add_argument("--pools", default="float32,float16", help="KV pool dtypes: float32, float16")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    pools = args.pools.split(",")
+    unknown = [p for p in pools if p not in POOLS]
+    if unknown:
+        raise SystemExit(f"unknown pool dtype {unknown[0]!r}: choose from {', '.join(POOLS)}")
 
-    variants = {"portable": kernel(("-DPAGED_PORTABLE",)), "avx512": kernel(())}
     cases = []
     for name, heads, kv_heads, head_dim in SHAPES:
-        for context in (int(x) for x in args.contexts.split(",")):
-            cases.append((name, f"{args.rows} decode rows", context,
-                          case(heads, kv_heads, head_dim, args.rows, 1, context)))
+        shapes = [(f"{args.rows} decode rows", args.rows, 1, int(x)) for x in args.contexts.split(",")]
         if args.chunk:
-            context = 4 * args.chunk
-            cases.append((name, f"chunk of {args.chunk}", context, case(heads, kv_heads, head_dim, 1, args.chunk,
-                                                                        context)))
+            shapes.append((f"chunk of {args.chunk}", 1, args.chunk, 4 * args.chunk))
+        for what, seqs, chunk, context in shapes:
+            for pool in pools:
+                cases.append((name, what, context, pool, case(heads, kv_heads, head_dim, seqs, chunk, context,
+                                                              pool=pool)))
     rows = []
-    print(f"{'shape':14} {'rows':16} {'context':>7} {'portable_us':>12} {'avx512_us':>10} {'ratio':>6} "
+    print(f"{'shape':14} {'rows':16} {'context':>7} {'pool':>7} {'portable_us':>12} {'avx512_us':>10} {'ratio':>6} "
           f"{'err_portable':>12} {'err_avx512':>10}")
-    for name, what, context, c in cases:
+    for name, what, context, pool, c in cases:
+        variants = {"portable": kernel(("-DPAGED_PORTABLE",), pool), "avx512": kernel((), pool)}
         call(variants["portable"], c, torch.empty(c["tokens"], c["heads"], c["head_dim"]), args.threads)
         ref = reference(c)   # over the pool as a call leaves it: the step's own keys and values written
-        row = {"shape": name, "rows": what, "context": context}
+        row = {"shape": name, "rows": what, "context": context, "pool": pool}
         for variant, fn in variants.items():
             us, out = timed(fn, c, args.threads, args.repeats)
             row[f"{variant}_us"] = us
             row[f"err_{variant}"] = ((out.double() - ref).norm() / ref.norm()).item()
         row["ratio"] = row["portable_us"] / row["avx512_us"]
+        same = [r for r in rows if (r["shape"], r["rows"], r["context"]) == (name, what, context)]
+        if pool == "float16" and same and same[0]["pool"] == "float32":
+            row["f32_over_f16"] = same[0]["avx512_us"] / row["avx512_us"]
         rows.append(row)
-        print(f"{name:14} {what:16} {context:7d} {row['portable_us']:12.1f} {row['avx512_us']:10.1f} "
-              f"{row['ratio']:6.2f} {row['err_portable']:12.1e} {row['err_avx512']:10.1e}")
+        print(f"{name:14} {what:16} {context:7d} {pool:>7} {row['portable_us']:12.1f} {row['avx512_us']:10.1f} "
+              f"{row['ratio']:6.2f} {row['err_portable']:12.1e} {row['err_avx512']:10.1e}"
+              + (f"   float32/float16 {row['f32_over_f16']:.2f}x" if "f32_over_f16" in row else ""))
     result = {"threads": args.threads, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -100,6 +100,30 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
     assert not kv[:, 0].any()
 
 
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", KERNEL_SHAPES)
+def test_the_kernel_over_a_float16_pool_computes_the_float32_kernel_over_the_rows_rounded(heads, kv_heads, head_dim,
+                                                                                         block_size, two_threads):
+    """A float16 pool holds each new row rounded to nearest (torch's .half()), and attending over it is the float32
+    kernel's arithmetic over those rounded rows, to the bit (head size 8: the portable path; the rest AVX-512's)."""
+    kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
+    kv16 = kv.half()
+    outs = []
+    for pool, new_k, new_v in ((kv16, k, v), (kv16.float(), k.half().float(), v.half().float())):
+        attention.set_context(attention.build_context("kernel", pool, slots, spans, num_decodes=5,
+                                                      block_size=block_size))
+        try:
+            outs.append(attention.paged_attention(Layer(), q[None], new_k[None], new_v[None], None)[0])
+        finally:
+            attention.set_context(None)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(kv16[0, 1].reshape(kv_heads, -1, head_dim)[:, slots], k.half())
+    assert torch.equal(kv16[1, 1].reshape(kv_heads, -1, head_dim)[:, slots], v.half())
+    assert not kv16[:, 0].any()
+    full = dense_reference(q, spans, history, heads, kv_heads)
+    torch.testing.assert_close(outs[0][0], full, atol=5e-3, rtol=5e-3)   # within float16's rounding of the rows
+
+
 def test_backend_choice_follows_the_config_then_the_device(monkeypatch):
     monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
     cpu = torch.device("cpu")

@@ -375,11 +375,15 @@ def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64
 
     result = attention_kernel.main(["--contexts", "20,40", "--rows", "2", "--chunk", "8", "--repeats", "2"])
     rows = result["rows"]
-    assert [(r["shape"], r["context"]) for r in rows] == [
-        (name, context) for name, *_ in attention_kernel.SHAPES for context in (20, 40, 32)]
+    assert [(r["shape"], r["context"], r["pool"]) for r in rows] == [
+        (name, context, pool) for name, *_ in attention_kernel.SHAPES for context in (20, 40, 32)
+        for pool in ("float32", "float16")]
     for row in rows:
         assert row["err_portable"] < 1e-5 and row["err_avx512"] < 1e-5
         assert row["portable_us"] > 0 and row["avx512_us"] > 0
+        assert ("f32_over_f16" in row) == (row["pool"] == "float16")
+    with pytest.raises(SystemExit, match="unknown pool dtype 'bfloat16'"):
+        attention_kernel.main(["--pools", "float32,bfloat16"])
 
 
 def test_stack_bench_mixed_runs_chats_beside_bulk_streams_with_classes_on_and_off(tiny_model_dir, tmp_path):

@@ -218,3 +218,64 @@ def test_a_whole_w8a8_layer_in_one_call_computes_the_kernels_one_by_one_to_the_b
     assert rows_all and all(rows > VNNI_ROWS for rows in rows_left)
     if "amx" not in native.int8_tile_kernels():
         assert rows_left, "a step past VNNI's rows took the whole-layer call"
+
+
+@pytest.mark.parametrize("layers", ["own", "fused", "w8a8-one-call"])
+def test_a_float16_pool_answers_as_generate_over_its_cache_rounded_to_float16(layers, tiny_model_dir):
+    """kv_cache_dtype="float16": the engine's pool holds each K/V row in half the bytes; `generate` on
+    KERNEL_REFERENCE_F16 reads transformers' cache rounded the same way, so every token matches, through the
+    model's own layers, the C-fused ones and the w8a8 whole-layer call. On this tiny model only the w8a8 case's
+    tokens part from a float32 pool's reference (its products are exact); test_attention checks the kernel's
+    float16 pool to the bit."""
+    from worker.engine.weights.quantised import quantize_model
+
+    if layers == "w8a8-one-call" and (native.load_layer_step() is None or not native.int8_tile_kernels()):
+        pytest.skip("needs the whole-layer kernel and a w8a8 tile kernel (AMX or AVX512-VNNI)")
+
+    def loaded():
+        model, tok = load_model(str(tiny_model_dir))
+        if layers == "w8a8-one-call":
+            quantize_model(model, "w8a8")
+        return model, tok
+
+    model, tok = loaded()
+    engine = engine_for(model, tok, kv_cache_dtype="float16", fused_layers=layers != "own")
+    assert engine.runner.kv.dtype == torch.float16
+    fused = engine.runner.fused
+    assert (fused is not None) == (layers != "own")
+    if fused is not None:
+        assert any(w is not None for w in fused.whole) == (layers == "w8a8-one-call")
+    got = serve(engine, cap=8)
+    ref = loaded()[0]
+    attention.register()
+    ref.set_attn_implementation(attention.KERNEL_REFERENCE_F16)
+    if layers != "own":
+        FusedLayers(ref, reference=True)
+    for rid, ids, cap in [*((str(i), list(range(5, 5 + n)), 8) for i, n in enumerate(PROMPTS)), ("alone", [9], 4)]:
+        out = ref.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                           max_new_tokens=cap, do_sample=False)
+        assert got[rid] == out[0, len(ids):].tolist(), f"{layers} request {rid}"
+
+
+def test_a_float16_pool_holds_twice_the_blocks_and_is_refused_where_its_kernel_does_not_run(tiny_model_dir,
+                                                                                             monkeypatch):
+    monkeypatch.delenv("KV_CACHE_DTYPE", raising=False)
+    model, tok = load_model(str(tiny_model_dir))
+
+    def runner(**options):
+        return LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4,
+                                                  kv_cache_memory_gib=0.001, **options)).runner
+
+    full = runner(attention_backend="kernel")
+    monkeypatch.setenv("KV_CACHE_DTYPE", "float16")
+    half = runner(attention_backend="kernel")
+    assert (full.kv.dtype, half.kv.dtype) == (torch.float32, torch.float16)
+    assert half.num_blocks in (2 * full.num_blocks, 2 * full.num_blocks + 1)
+    with pytest.raises(ValueError, match="float16 KV pool takes a float32 model on the CPU's 'kernel'.*"
+                                         "KV_CACHE_DTYPE=auto"):
+        runner(attention_backend="gather")
+    monkeypatch.setenv("KV_CACHE_DTYPE", "fp8")
+    with pytest.raises(ValueError, match="Unknown KV cache dtype 'fp8'; choose one of auto, float16"):
+        runner(attention_backend="kernel")
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, float16"):
+        EngineConfig(kv_cache_dtype="half").validate()

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+KV_CACHE_DTYPES = ("auto", "float16")
+
 
 @dataclass
 class EngineConfig:
@@ -13,6 +15,8 @@ class EngineConfig:
     block_size: int = 16                 # tokens per KV-cache block
     num_blocks: int | None = None        # KV pool size; None sizes it from the memory settings below
     kv_cache_memory_gib: float | None = None   # None: 1 GiB on CPU, gpu_memory_utilization on CUDA
+    kv_cache_dtype: str | None = None    # "auto" (the model's dtype) or "float16" (a float32 model's pool in half the
+                                         # bytes: the CPU's "kernel" backend); None: $KV_CACHE_DTYPE, else "auto"
     gpu_memory_utilization: float = 0.9  # CUDA: share of the memory left to this process (model included)
     max_model_len: int | None = None     # None: the model's own context length
     enable_prefix_caching: bool = True
@@ -43,6 +47,9 @@ class EngineConfig:
         if self.sampler_candidates is not None and (not isinstance(self.sampler_candidates, int)
                                                     or self.sampler_candidates < 0):
             raise ValueError(f"EngineConfig.sampler_candidates must be 0 or more; got {self.sampler_candidates!r}")
+        if self.kv_cache_dtype not in (None, *KV_CACHE_DTYPES):
+            raise ValueError(f"EngineConfig.kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                             f"got {self.kv_cache_dtype!r}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"EngineConfig.num_blocks must be positive; got {self.num_blocks}")
         if not 0 <= self.bulk_token_share <= 1:

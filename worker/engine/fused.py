@@ -56,10 +56,10 @@ def unfit_reason(model) -> str | None:
 class FusedLayers:
     """Swaps each decoder layer's forward for the fused one while held; `release` puts the model back.
 
-    reference: also fuse the layers of `generate` on a model set to attention.KERNEL_REFERENCE, so that it computes
-    exactly what the engine's fused steps compute (tests compare the two token for token). one_call: False calls the
-    kernels one by one from Python even where a whole layer can be one call (the same result; tests and benchmarks
-    compare the two)."""
+    reference: also fuse the layers of `generate` on a model set to attention.KERNEL_REFERENCE (or _F16), so that it
+    computes exactly what the engine's fused steps compute (tests compare the two token for token). one_call: False
+    calls the kernels one by one from Python even where a whole layer can be one call (the same result; tests and
+    benchmarks compare the two)."""
 
     def __init__(self, model, reference: bool = False, one_call: bool = True) -> None:
         reason = unfit_reason(model)
@@ -96,7 +96,8 @@ class FusedLayers:
                 return fused_layer(lib, layer, proj, hidden_states, position_embeddings, in_pool(ctx, attn))
             cache = kwargs.get("past_key_values")
             if (self.reference and ctx is None and cache is not None
-                    and attn.config._attn_implementation == attention.KERNEL_REFERENCE):
+                    and attn.config._attn_implementation in (attention.KERNEL_REFERENCE,
+                                                             attention.KERNEL_REFERENCE_F16)):
                 return fused_layer(lib, layer, proj, hidden_states, position_embeddings,
                                    through_cache(cache, attn, kwargs.get("attention_mask")))
             return eager(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
@@ -125,7 +126,7 @@ class FusedLayers:
         args = StepArgs(tokens, cos.data_ptr(), sin.data_ptr(), ctx.slots.data_ptr(), row_seq.data_ptr(),
                         row_pos.data_ptr(), tables.data_ptr(), tables.shape[1], ctx.kernel_max_context,
                         kv[0, 0].data_ptr(), kv[1, 0].data_ptr(), kv.stride(1), kv.shape[3], kv.shape[4],
-                        scratch.data_ptr(), torch.get_num_threads())
+                        scratch.data_ptr(), torch.get_num_threads(), kv.dtype == torch.float16)
         return ctypes.addressof(args), args, scratch, cos, sin
 
     def release(self) -> None:
@@ -196,7 +197,7 @@ class StepArgs(ctypes.Structure):
                 ("tables", ctypes.c_void_p), ("table_width", ctypes.c_int64), ("max_context", ctypes.c_int64),
                 ("k_pool", ctypes.c_void_p), ("v_pool", ctypes.c_void_p), ("layer_stride", ctypes.c_int64),
                 ("num_blocks", ctypes.c_int64), ("block_size", ctypes.c_int64), ("scratch", ctypes.c_void_p),
-                ("threads", ctypes.c_int32)]
+                ("threads", ctypes.c_int32), ("half_kv", ctypes.c_int32)]
 
 
 LAYER_STEP_ERRORS = {1: "the w8a8 tile kernel is not in this build", 2: "no memory for a w8a8 product's scratch",
@@ -272,10 +273,13 @@ def in_pool(ctx, attn) -> Attend:
 
 def through_cache(cache, attn, mask: torch.Tensor | None) -> Attend:
     """`generate`'s attention with the C kernel's arithmetic (attention.kernel_reference) over transformers' own
-    cache, which the rows' K/V join first."""
+    cache, which the rows' K/V join first; rounded to float16 first on a model set to KERNEL_REFERENCE_F16."""
+    half_pool = attn.config._attn_implementation == attention.KERNEL_REFERENCE_F16
+
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_all, v_all = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn.layer_idx)
-        return attention.kernel_reference(attn, q.transpose(0, 1)[None], k_all, v_all, mask, attn.scaling)[0][0]
+        return attention.kernel_reference(attn, q.transpose(0, 1)[None], k_all, v_all, mask, attn.scaling,
+                                          half_pool=half_pool)[0][0]
 
     return attend
 

@@ -23,6 +23,12 @@ int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head, const flo
                         const int64_t *slots, int num_tokens, const int32_t *row_seq, const int32_t *row_pos,
                         const int32_t *tables, int table_width, int max_context, float scale, float *out,
                         int num_threads);
+int paged_attention_f16kv(const float *q, int64_t q_tok, int64_t q_head, const float *k, int64_t k_tok,
+                          int64_t k_head, const float *v, int64_t v_tok, int64_t v_head, _Float16 *k_cache,
+                          _Float16 *v_cache, int64_t num_blocks, int block_size, int heads, int kv_heads,
+                          int head_dim, const int64_t *slots, int num_tokens, const int32_t *row_seq,
+                          const int32_t *row_pos, const int32_t *tables, int table_width, int max_context,
+                          float scale, float *out, int num_threads);
 
 /* One w8a8 product: int8 codes in tiles (int8_rows.c), per-channel shifts and scales, an optional bias; n outputs
  * of k inputs. amx: 1 for the AMX kernel, 0 for VNNI. */
@@ -50,10 +56,11 @@ typedef struct {
     const int64_t *slots;                   /* [tokens] */
     const int32_t *row_seq, *row_pos, *tables;
     int64_t table_width, max_context;
-    float *k_pool, *v_pool;                 /* layer 0's [kv_heads, blocks, block_size, head_dim] */
-    int64_t layer_stride, num_blocks, block_size;   /* layer_stride in floats */
+    void *k_pool, *v_pool;                  /* layer 0's [kv_heads, blocks, block_size, head_dim] */
+    int64_t layer_stride, num_blocks, block_size;   /* layer_stride in the pool's elements */
     float *scratch;                         /* layer_step_scratch() floats */
     int32_t threads;
+    int32_t half_kv;                        /* 1: the pool is float16; 0: float32 */
 } step_args;
 
 /* Floats of scratch a step of `tokens` needs for a layer of these shapes. */
@@ -93,11 +100,17 @@ int layer_step(const layer_weights *w, const step_args *s, const float *x, int64
     if (!rotary_f32(qkv, nqkv, qkv + nq, nqkv, t, w->heads, w->kv_heads, d, s->cos, s->sin, w->q_norm, w->k_norm,
                     w->qk_eps, q_rot, k_rot, threads))
         return 3;
-    float *k_pool = s->k_pool + w->layer * s->layer_stride, *v_pool = s->v_pool + w->layer * s->layer_stride;
-    if (paged_attention_f32(q_rot, nq, d, k_rot, nkv, d, qkv + nq + nkv, nqkv, d, k_pool, v_pool, s->num_blocks,
-                            (int)s->block_size, (int)w->heads, (int)w->kv_heads, (int)d, s->slots, (int)t,
-                            s->row_seq, s->row_pos, s->tables, (int)s->table_width, (int)s->max_context, w->scale,
-                            attended, threads) != 0)
+    const int64_t at = w->layer * s->layer_stride;
+    const int refused = s->half_kv
+        ? paged_attention_f16kv(q_rot, nq, d, k_rot, nkv, d, qkv + nq + nkv, nqkv, d, (_Float16 *)s->k_pool + at,
+                                (_Float16 *)s->v_pool + at, s->num_blocks, (int)s->block_size, (int)w->heads,
+                                (int)w->kv_heads, (int)d, s->slots, (int)t, s->row_seq, s->row_pos, s->tables,
+                                (int)s->table_width, (int)s->max_context, w->scale, attended, threads)
+        : paged_attention_f32(q_rot, nq, d, k_rot, nkv, d, qkv + nq + nkv, nqkv, d, (float *)s->k_pool + at,
+                              (float *)s->v_pool + at, s->num_blocks, (int)s->block_size, (int)w->heads,
+                              (int)w->kv_heads, (int)d, s->slots, (int)t, s->row_seq, s->row_pos, s->tables,
+                              (int)s->table_width, (int)s->max_context, w->scale, attended, threads);
+    if (refused)
         return 4;
     if ((rc = run_product(&w->o, attended, t, nq, a, threads)) <= 0)
         return rc == 0 ? 1 : 2;

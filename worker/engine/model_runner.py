@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 
 import torch
@@ -15,7 +16,7 @@ from .block_tables import RowOrder
 from .weights.packed import pack_linears, unpack_linears
 from .compiled import CompiledLayers
 from .fused import FusedLayers
-from .config import EngineConfig
+from .config import KV_CACHE_DTYPES, EngineConfig
 from .device import DecodeGraphs
 from .scheduler import Batch
 from .transfer import place_pending, upload
@@ -53,6 +54,21 @@ def context_length(model) -> int:
     raise ValueError("The model config names no context length; set EngineConfig.max_model_len.")
 
 
+def kv_cache_dtype(config: EngineConfig, dtype: torch.dtype, backend: str, eager: bool) -> torch.dtype:
+    """The KV pool's dtype: the model's ("auto"), or float16 (EngineConfig.kv_cache_dtype, else $KV_CACHE_DTYPE).
+    A float32 model's float16 pool is read and written by the C kernel only (eager steps, the "kernel" backend)."""
+    name = config.kv_cache_dtype or os.environ.get("KV_CACHE_DTYPE") or "auto"
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"Unknown KV cache dtype {name!r}; choose one of {', '.join(KV_CACHE_DTYPES)}.")
+    if name == "auto" or dtype == torch.float16:
+        return dtype
+    if dtype != torch.float32 or backend != "kernel" or not eager:
+        raise ValueError(f"A float16 KV pool takes a float32 model on the CPU's 'kernel' attention backend with eager "
+                         f"steps, not a {str(dtype).removeprefix('torch.')} model on {backend!r}"
+                         f"{'' if eager else ' with static decode buffers'}; set KV_CACHE_DTYPE=auto.")
+    return torch.float16
+
+
 class ModelRunner:
     def __init__(self, model, config: EngineConfig) -> None:
         self.model = model
@@ -65,7 +81,11 @@ class ModelRunner:
         model.set_attn_implementation(attention.ATTN_NAME)
         self.packed_linears = pack_linears(model) if config.pack_cpu_linears else 0
         layers, kv_heads, head_dim = kv_shape(model)
-        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.dtype.itemsize
+        self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype,
+                                                            config.block_size)
+        eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
+        self.kv_dtype = kv_cache_dtype(config, self.dtype, self.attention_backend, eager)
+        bytes_per_block = 2 * layers * config.block_size * kv_heads * head_dim * self.kv_dtype.itemsize
         self.sizing = sizing.size_for(model, config, self.device, bytes_per_block)   # slots and pool per device
         config.max_num_seqs, self.num_blocks = self.sizing.max_num_seqs, self.sizing.num_blocks
         config.max_num_batched_tokens = self.sizing.max_num_batched_tokens
@@ -73,11 +93,9 @@ class ModelRunner:
         # Allocated once; every step writes into it in place. The block past num_blocks is scratch for
         # the padding rows of bucketed decode steps; the block manager never hands it out.
         self.kv = torch.zeros(2, layers, kv_heads, self.num_blocks + 1, config.block_size, head_dim,
-                              dtype=self.dtype, device=self.device)
-        self.attention_backend = attention.choose_backend(config.attention_backend, self.device, self.dtype,
-                                                            config.block_size)
-        log.info("attention backend: %s (%s, %s)", self.attention_backend, self.device.type, self.dtype)
-        eager = config.enforce_eager if config.enforce_eager is not None else self.device.type != "cuda"
+                              dtype=self.kv_dtype, device=self.device)
+        log.info("attention backend: %s (%s, %s; KV pool %s)", self.attention_backend, self.device.type, self.dtype,
+                 self.kv_dtype)
         if self.attention_backend == "flex" or not eager or self.device.type == "cuda":
             flex.start_engine(tuple(self.kv.shape), query_group(model), self.dtype, str(self.device))
         if self.attention_backend == "flex" and not flex.fits(self.device, config.block_size):

@@ -78,7 +78,8 @@ def _compiler() -> str | None:
 def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled paged-attention kernel, or None (logged) when there is no compiler or the build fails."""
     return _declared(_build(SOURCE, "paged-attention kernel", "falling back to gathering the context", flags),
-                     {"paged_attention_f32": ARGTYPES}, {"paged_attention_f32": ctypes.c_int})
+                     {"paged_attention_f32": ARGTYPES, "paged_attention_f16kv": ARGTYPES},   # a float32, float16 pool
+                     {"paged_attention_f32": ctypes.c_int, "paged_attention_f16kv": ctypes.c_int})
 
 
 @cache

@@ -58,8 +58,8 @@ def _(q, k, v, kv, layer, slots, tables, seq_row, seq_len, seq_ctx, tile_seq, ti
 def paged_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, layer: int,
                  slots: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor,
                  scale: float) -> torch.Tensor:
-    """A CPU step through the C kernel, float32: q [heads, tokens, d], k and v [kv_heads, tokens, d] ->
-    [tokens, heads, d]; per token its sequence (row_seq, int32) and position (row_pos, int32), per sequence its
+    """A CPU step through the C kernel, float32 (a float32 or float16 pool): q [heads, tokens, d], k and v
+    [kv_heads, tokens, d] -> [tokens, heads, d]; per token its sequence (row_seq, int32) and position (row_pos, int32), per sequence its
     block table (tables [seqs, width], int32), as paged.build_context lays them out for the kernel."""
     return kernel_step(q, k, v, kv[0, layer], kv[1, layer], slots, row_seq, row_pos, tables,
                        int(row_pos.max()) + 1, scale)
@@ -74,12 +74,15 @@ def kernel_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torc
                 slots: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor,
                 max_context: int, scale: float) -> torch.Tensor:
     """One C call for a step's layer: writes k, v [kv_heads, tokens, d] at `slots` and attends every query row
-    (q [heads, tokens, d]) over its sequence's blocks; [tokens, heads, d] out."""
+    (q [heads, tokens, d]) over its sequence's blocks; [tokens, heads, d] out. The pool is float32 or float16
+    (new rows rounded to nearest); the arithmetic is float32."""
     heads, tokens, d = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     kv_heads, num_blocks, block_size, _ = k_cache.shape
     out = torch.empty(tokens, heads, d, dtype=q.dtype)
-    rc = native.load().paged_attention_f32(
+    lib = native.load()
+    kernel = lib.paged_attention_f16kv if k_cache.dtype == torch.float16 else lib.paged_attention_f32
+    rc = kernel(
         q.data_ptr(), q.stride(1), q.stride(0), k.data_ptr(), k.stride(1), k.stride(0),
         v.data_ptr(), v.stride(1), v.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), num_blocks, block_size,
         heads, kv_heads, d, slots.data_ptr(), tokens, row_seq.data_ptr(), row_pos.data_ptr(), tables.data_ptr(),

@@ -41,6 +41,7 @@ from ..transfer import upload
 
 ATTN_NAME = "engine_paged"
 KERNEL_REFERENCE = "engine_kernel"   # the kernel's arithmetic on a plain model's own cache (kernel_reference)
+KERNEL_REFERENCE_F16 = "engine_kernel_f16"   # the same over the cache rounded to float16, as a float16 pool holds it
 BACKENDS = ("kernel", "gather", "flex", "triton")
 DECODE_MODES = ("triton", "flex", "gather")   # decode attention in the static-buffer (CUDA-graph) path
 log = logging.getLogger(__name__)
@@ -387,8 +388,9 @@ def _cuda_sdpa_order() -> list:
 
 def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None,
-                     dropout: float = 0.0, **kwargs) -> tuple[torch.Tensor, None]:
-    """The C kernel's attention over transformers' own contiguous cache, for one unpadded causal sequence.
+                     dropout: float = 0.0, half_pool: bool = False, **kwargs) -> tuple[torch.Tensor, None]:
+    """The C kernel's attention over transformers' own contiguous cache, for one unpadded causal sequence
+    (half_pool: the cache rounded to float16 and read by the float16 pool's kernel, as a float16 pool holds it).
 
     A row's result in the kernel depends on that row's query and its keys alone, not on the block table,
     the chunking or the rows beside it. So `generate` on a model set to KERNEL_REFERENCE is transformers'
@@ -404,7 +406,8 @@ def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     q, k, v = query[0], key[0], value[0]
     heads, tokens, d = q.shape
     kv_heads, context, _ = k.shape
-    pool = torch.stack([k, v])[:, :, None].contiguous()   # [2, kv_heads, 1 block, context, head_dim]
+    pool = torch.stack([k, v])[:, :, None].to(torch.float16 if half_pool else torch.float32).contiguous()
+    # [2, kv_heads, 1 block, context, head_dim]
     new = slice(context - tokens, context)                 # the queries are the cache's last rows
     k_new, v_new = k[:, new], v[:, new]
     q = q if q.stride(-1) == 1 else q.contiguous()
@@ -413,7 +416,8 @@ def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     row_pos = torch.arange(context - tokens, context, dtype=torch.int32)
     table = torch.zeros(1, 1, dtype=torch.int32)
     out = torch.empty(tokens, heads, d)
-    rc = lib.paged_attention_f32(
+    kernel = lib.paged_attention_f16kv if half_pool else lib.paged_attention_f32
+    rc = kernel(
         q.data_ptr(), q.stride(1), q.stride(0), k_new.data_ptr(), k_new.stride(1), k_new.stride(0),
         v_new.data_ptr(), v_new.stride(1), v_new.stride(0), pool[0].data_ptr(), pool[1].data_ptr(), 1, context,
         heads, kv_heads, d, slots.data_ptr(), tokens, row_seq.data_ptr(), row_pos.data_ptr(), table.data_ptr(), 1,
@@ -425,8 +429,9 @@ def kernel_reference(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
 
 def register() -> None:
     """Make the engine's function selectable as attn_implementation=ATTN_NAME, and the kernel's arithmetic on
-    a plain model as KERNEL_REFERENCE (no mask is built for either)."""
+    a plain model as KERNEL_REFERENCE, over a float16 pool as KERNEL_REFERENCE_F16 (no mask is built for any)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention)
     AttentionInterface.register(KERNEL_REFERENCE, kernel_reference)
+    AttentionInterface.register(KERNEL_REFERENCE_F16, functools.partial(kernel_reference, half_pool=True))

@@ -1,4 +1,4 @@
-/* Paged attention over the KV pool in place (float32, CPU, OpenMP).
+/* Paged attention over the KV pool in place (float32 queries, a float32 or float16 pool; CPU, OpenMP).
  *
  * One call per layer and step: write the step's new K/V rows into their pool slots, then attend
  * every query row over its sequence's context, read block by block through the block table.
@@ -7,6 +7,8 @@
  *
  * Pool layout per layer: [kv_heads, num_blocks, block_size, head_dim], contiguous.
  * Query heads that share a KV head are handled together, so each K/V row is read once for them.
+ * A float16 pool (paged_attention_f16kv) holds each new K/V row rounded to nearest, as torch's .half() does, and is
+ * read back to float32; all arithmetic is float32 either way, so its results are the float32 kernel's on those rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -22,23 +24,38 @@
 #define LANES 16         /* floats in an AVX-512 register */
 #define PV_QUERIES 4     /* queries whose outputs the AVX-512 path accumulates in registers together */
 
-static void write_kv(const float *src, int64_t tok_stride, int64_t head_stride, float *cache,
+typedef _Float16 half;   /* the float16 pool's element */
+
+/* A pool row of head_dim elements from element i on, as float32: in place, or converted into `buffer`. */
+static inline const float *kv_row(const void *pool, int64_t i, int head_dim, int half_kv, float *buffer) {
+    if (!half_kv) return (const float *)pool + i;
+    for (int d = 0; d < head_dim; d++) buffer[d] = (float)((const half *)pool)[i + d];
+    return buffer;
+}
+
+static void write_kv(const float *src, int64_t tok_stride, int64_t head_stride, void *cache,
                      int64_t num_blocks, int block_size, int kv_heads, int head_dim,
-                     const int64_t *slots, int num_tokens) {
+                     const int64_t *slots, int num_tokens, int half_kv) {
     #pragma omp for collapse(2) schedule(static)
     for (int t = 0; t < num_tokens; t++) {
         for (int h = 0; h < kv_heads; h++) {
-            int64_t slot = slots[t];
-            float *dst = cache + ((int64_t)h * num_blocks * block_size + slot) * head_dim;
-            memcpy(dst, src + t * tok_stride + h * head_stride, sizeof(float) * head_dim);
+            const int64_t at = ((int64_t)h * num_blocks * block_size + slots[t]) * head_dim;
+            const float *row = src + t * tok_stride + h * head_stride;
+            if (half_kv) {
+                half *dst = (half *)cache + at;
+                for (int d = 0; d < head_dim; d++) dst[d] = (half)row[d];
+            } else {
+                memcpy((float *)cache + at, row, sizeof(float) * head_dim);
+            }
         }
     }
 }
 
-static void attend_tile(const float *q, int64_t q_tok, int64_t q_head, const float *k_cache,
-                        const float *v_cache, int64_t num_blocks, int block_size, int group, int head_dim,
-                        const int32_t *table, const int32_t *row_pos, int t0, int rows, int kvh, float scale,
-                        float *out, int64_t o_tok, int64_t o_head, float *scores, float *acc) {
+static inline __attribute__((always_inline)) void attend_tile(
+        const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache, int half_kv,
+        int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table, const int32_t *row_pos,
+        int t0, int rows, int kvh, float scale, float *out, int64_t o_tok, int64_t o_head, float *scores,
+        float *acc) {
     const int n = rows * group;                  /* (row, head) pairs of this tile */
     const int ctx = row_pos[t0 + rows - 1] + 1;  /* keys the last row sees; rows are in position order */
     const float *qp[TILE_ROWS * MAX_GROUP];
@@ -50,10 +67,11 @@ static void attend_tile(const float *q, int64_t q_tok, int64_t q_head, const flo
         }
     }
     const int64_t head_base = (int64_t)kvh * num_blocks * block_size;
+    float row[head_dim];   /* a float16 pool's key or value row, converted once for every (row, head) */
     /* Scores: one pass over the keys, each key row read once for every (row, head). */
     for (int j = 0; j < ctx; j++) {
-        const float *kj = k_cache + (head_base + (int64_t)table[j / block_size] * block_size
-                                     + j % block_size) * head_dim;
+        const float *kj = kv_row(k_cache, (head_base + (int64_t)table[j / block_size] * block_size
+                                           + j % block_size) * head_dim, head_dim, half_kv, row);
         for (int i = 0; i < n; i++) {
             if (j >= limit[i]) continue;
             const float *qi = qp[i];
@@ -80,8 +98,8 @@ static void attend_tile(const float *q, int64_t q_tok, int64_t q_head, const flo
     }
     memset(acc, 0, sizeof(float) * n * head_dim);
     for (int j = 0; j < ctx; j++) {
-        const float *vj = v_cache + (head_base + (int64_t)table[j / block_size] * block_size
-                                     + j % block_size) * head_dim;
+        const float *vj = kv_row(v_cache, (head_base + (int64_t)table[j / block_size] * block_size
+                                           + j % block_size) * head_dim, head_dim, half_kv, row);
         for (int i = 0; i < n; i++) {
             if (j >= limit[i]) continue;
             const float p = scores[(int64_t)i * ctx + j];
@@ -115,6 +133,12 @@ static inline __m512 sum16(__m512 a[LANES]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xDD));
 }
 
+/* Sixteen floats of a pool row from element i on, float32 or float16. */
+static inline __m512 load16(const void *pool, int64_t i, int half_kv) {
+    return half_kv ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const half *)pool + i)))
+                   : _mm512_loadu_ps((const float *)pool + i);
+}
+
 /* exp(x) for x <= 0 (scores less their maximum): Cephes' single-precision polynomial on x - n ln 2, scaled by
  * 2^n; within 2 ulp of expf, and 0 below -87. */
 static inline __m512 exp16(__m512 x) {
@@ -138,8 +162,8 @@ static inline __m512 exp16(__m512 x) {
  * PV_QUERIES queries at a time, so a value row is loaded once for them. A query's scores and output are
  * computed the same way whichever rows share its tile, as in the portable path. */
 static inline __attribute__((always_inline)) void attend_tile_avx512(
-        const int chunks, const float *q, int64_t q_tok, int64_t q_head, const float *k_cache, const float *v_cache,
-        int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table, const int32_t *row_pos,
+        const int chunks, const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
+        const int half_kv, int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table, const int32_t *row_pos,
         int t0, int rows, int kvh, float scale, float *out, int64_t o_tok, int64_t o_head, float *scores,
         int64_t *row_at) {
     const int n = rows * group;
@@ -169,9 +193,10 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
         for (int b = 0; b < blocks; b++) {
             __m512 a[LANES];
             for (int t = 0; t < LANES; t++) {
-                const float *kt = k_cache + row_at[b * LANES + t];
-                __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-                for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + c * LANES), acc);
+                const int64_t kt = row_at[b * LANES + t];
+                __m512 acc = _mm512_mul_ps(qv[0], load16(k_cache, kt, half_kv));
+                for (int c = 1; c < chunks; c++)
+                    acc = _mm512_fmadd_ps(qv[c], load16(k_cache, kt + c * LANES, half_kv), acc);
                 a[t] = acc;
             }
             _mm512_storeu_ps(scores + (int64_t)i * stride + b * LANES, _mm512_mul_ps(sum16(a), vscale));
@@ -211,11 +236,11 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
         const float *sc[PV_QUERIES];
         for (int g = 0; g < together; g++) sc[g] = scores + (int64_t)(i0 + (g < nq ? g : 0)) * stride;
         for (int j = 0; j < last; j++) {
-            const float *vj = v_cache + row_at[j];
+            const int64_t vj = row_at[j];
             __m512 p[PV_QUERIES];
             for (int g = 0; g < together; g++) p[g] = _mm512_set1_ps(sc[g][j]);
             for (int c = 0; c < chunks; c++) {
-                const __m512 vc = _mm512_loadu_ps(vj + c * LANES);
+                const __m512 vc = load16(v_cache, vj + c * LANES, half_kv);
                 for (int g = 0; g < together; g++)   /* a fixed bound keeps acc in registers; the tail's lanes idle */
                     if (g < nq) acc[g][c] = _mm512_fmadd_ps(p[g], vc, acc[g][c]);
             }
@@ -231,15 +256,12 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
 #endif
 
 /* Returns 0, or -1 when the shapes are outside what this kernel handles. */
-int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head,
-                        const float *k, int64_t k_tok, int64_t k_head,
-                        const float *v, int64_t v_tok, int64_t v_head,
-                        float *k_cache, float *v_cache, int64_t num_blocks, int block_size,
-                        int heads, int kv_heads, int head_dim,
-                        const int64_t *slots, int num_tokens,
-                        const int32_t *row_seq, const int32_t *row_pos,
-                        const int32_t *tables, int table_width, int max_context,
-                        float scale, float *out, int num_threads) {
+static int paged_attention(
+        const float *q, int64_t q_tok, int64_t q_head, const float *k, int64_t k_tok, int64_t k_head,
+        const float *v, int64_t v_tok, int64_t v_head, void *k_cache, void *v_cache, int half_kv,
+        int64_t num_blocks, int block_size, int heads, int kv_heads, int head_dim, const int64_t *slots,
+        int num_tokens, const int32_t *row_seq, const int32_t *row_pos, const int32_t *tables, int table_width,
+        int max_context, float scale, float *out, int num_threads) {
     const int group = heads / kv_heads;
     if (group > MAX_GROUP || group * kv_heads != heads) return -1;
     /* Tiles: runs of up to TILE_ROWS consecutive rows of one sequence. */
@@ -259,8 +281,8 @@ int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head,
 
     #pragma omp parallel num_threads(num_threads)
     {
-        write_kv(k, k_tok, k_head, k_cache, num_blocks, block_size, kv_heads, head_dim, slots, num_tokens);
-        write_kv(v, v_tok, v_head, v_cache, num_blocks, block_size, kv_heads, head_dim, slots, num_tokens);
+        write_kv(k, k_tok, k_head, k_cache, num_blocks, block_size, kv_heads, head_dim, slots, num_tokens, half_kv);
+        write_kv(v, v_tok, v_head, v_cache, num_blocks, block_size, kv_heads, head_dim, slots, num_tokens, half_kv);
         /* The implicit barrier of the loops above: every new row is in the pool before any is read. */
         float *scores = malloc(sizeof(float) * TILE_ROWS * group * ((int64_t)max_context + LANES));
         float *acc = malloc(sizeof(float) * TILE_ROWS * group * (int64_t)head_dim);
@@ -273,20 +295,27 @@ int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head,
                 const int32_t *table = tables + (int64_t)row_seq[t0] * table_width;
 #ifdef PAGED_AVX512
                 if (vectorised) {   /* the common head sizes get their register layout fixed at compile time */
-#define ATTEND(chunks) attend_tile_avx512(chunks, q, q_tok, q_head, k_cache, v_cache, num_blocks, block_size, \
-                                          group, head_dim, table, row_pos, t0, rows, kvh, scale, out, o_tok, \
-                                          o_head, scores, row_at)
-                    switch (head_dim / LANES) {
-                        case 4: ATTEND(4); break;
-                        case 8: ATTEND(8); break;
-                        default: ATTEND(head_dim / LANES);
-                    }
+#define ATTEND(chunks, half) attend_tile_avx512(chunks, q, q_tok, q_head, k_cache, v_cache, half, num_blocks, \
+                                                block_size, group, head_dim, table, row_pos, t0, rows, kvh, \
+                                                scale, out, o_tok, o_head, scores, row_at)
+#define ATTEND_ANY(half) switch (head_dim / LANES) { \
+                             case 4: ATTEND(4, half); break; \
+                             case 8: ATTEND(8, half); break; \
+                             default: ATTEND(head_dim / LANES, half); \
+                         }
+                    /* and the pool's element type, so no load tests it */
+                    if (half_kv) ATTEND_ANY(1) else ATTEND_ANY(0)
+#undef ATTEND_ANY
 #undef ATTEND
                     continue;
                 }
 #endif
-                attend_tile(q, q_tok, q_head, k_cache, v_cache, num_blocks, block_size, group, head_dim,
-                            table, row_pos, t0, rows, kvh, scale, out, o_tok, o_head, scores, acc);
+                if (half_kv)
+                    attend_tile(q, q_tok, q_head, k_cache, v_cache, 1, num_blocks, block_size, group, head_dim,
+                                table, row_pos, t0, rows, kvh, scale, out, o_tok, o_head, scores, acc);
+                else
+                    attend_tile(q, q_tok, q_head, k_cache, v_cache, 0, num_blocks, block_size, group, head_dim,
+                                table, row_pos, t0, rows, kvh, scale, out, o_tok, o_head, scores, acc);
             }
         }
         free(scores);
@@ -295,4 +324,28 @@ int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head,
     }
     free(tile_start);
     return 0;
+}
+
+/* A float32 pool. */
+int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head, const float *k, int64_t k_tok,
+                        int64_t k_head, const float *v, int64_t v_tok, int64_t v_head, float *k_cache,
+                        float *v_cache, int64_t num_blocks, int block_size, int heads, int kv_heads, int head_dim,
+                        const int64_t *slots, int num_tokens, const int32_t *row_seq, const int32_t *row_pos,
+                        const int32_t *tables, int table_width, int max_context, float scale, float *out,
+                        int num_threads) {
+    return paged_attention(q, q_tok, q_head, k, k_tok, k_head, v, v_tok, v_head, k_cache, v_cache, 0, num_blocks,
+                           block_size, heads, kv_heads, head_dim, slots, num_tokens, row_seq, row_pos, tables,
+                           table_width, max_context, scale, out, num_threads);
+}
+
+/* A float16 pool: half the bytes read a key, half the memory a block. */
+int paged_attention_f16kv(const float *q, int64_t q_tok, int64_t q_head, const float *k, int64_t k_tok,
+                          int64_t k_head, const float *v, int64_t v_tok, int64_t v_head, half *k_cache,
+                          half *v_cache, int64_t num_blocks, int block_size, int heads, int kv_heads, int head_dim,
+                          const int64_t *slots, int num_tokens, const int32_t *row_seq, const int32_t *row_pos,
+                          const int32_t *tables, int table_width, int max_context, float scale, float *out,
+                          int num_threads) {
+    return paged_attention(q, q_tok, q_head, k, k_tok, k_head, v, v_tok, v_head, k_cache, v_cache, 1, num_blocks,
+                           block_size, heads, kv_heads, head_dim, slots, num_tokens, row_seq, row_pos, tables,
+                           table_width, max_context, scale, out, num_threads);
 }

@@ -79,7 +79,8 @@ class WorkerRuntime:
         self.settings = settings or WorkerSettings()
         s = self.settings
         config = EngineConfig(max_num_seqs=s.max_num_seqs, max_num_batched_tokens=s.max_num_batched_tokens,
-                              kv_cache_memory_gib=s.kv_cache_gib, gpu_memory_utilization=s.gpu_memory_utilization,
+                              kv_cache_memory_gib=s.kv_cache_gib, kv_cache_dtype=s.kv_cache_dtype,
+                              gpu_memory_utilization=s.gpu_memory_utilization,
                               enforce_eager=s.enforce_eager, attention_backend=s.attention_backend,
                               decode_attention=s.decode_attention, overlap_steps=s.overlap_steps,
                               bulk_token_share=s.bulk_token_share)

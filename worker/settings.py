@@ -61,6 +61,9 @@ class WorkerSettings:
     max_num_seqs: int | None = field(default_factory=lambda: _optional("MAX_NUM_SEQS", int))
     max_num_batched_tokens: int | None = field(default_factory=lambda: _optional("MAX_NUM_BATCHED_TOKENS", int))
     kv_cache_gib: float | None = field(default_factory=lambda: _optional("KV_CACHE_GIB", float))
+    # "float16": a float32 model's KV pool in half the bytes (the CPU's C attention kernel). Unset: "auto", the
+    # model's dtype.
+    kv_cache_dtype: str | None = field(default_factory=lambda: os.environ.get("KV_CACHE_DTYPE") or None)
     # Unset: decode steps replayed as CUDA graphs on CUDA, eager on CPU; "1" forces eager everywhere.
     enforce_eager: bool | None = field(default_factory=lambda: _switch("ENFORCE_EAGER"))
     # Unset: the C kernel on CPU (float32, when a compiler is present), else gathering the context.

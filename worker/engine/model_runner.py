@@ -209,9 +209,11 @@ class ModelRunner:
         log.info("FlexAttention's prefill form compiled in %.1f s", time.perf_counter() - start)
 
     def describe_steps(self) -> str:
-        """How steps run: the attention backend, overlapped or not, and decode graphs (captured, buckets only,
-        or none)."""
+        """How steps run: the attention backend (and the KV pool's dtype where it is not the model's), overlapped or
+        not, and decode graphs (captured, buckets only, or none)."""
         line = f"attention {self.attention_backend}"
+        if self.kv_dtype != self.dtype:
+            line += f" over a {str(self.kv_dtype).removeprefix('torch.')} KV pool"
         if self.attention_backend == "gather" and self.paged is not None:
             line += " (cached context read in place)"
         line += "; steps overlapped" if self.config.overlap_steps else "; steps not overlapped"

@@ -4,16 +4,15 @@ over a float32 pool and a float16 one.
     python -m bench.attention_kernel [--contexts 64,256,1024] [--pools float32,float16] [--threads 2] [--json PATH]
 
 Both are built from worker/engine/paged_attention.c (the portable one with -DPAGED_PORTABLE) and called as the
-engine calls them, over a pool whose blocks are shuffled. Each figure is the median of `--repeats` calls;
-each output is checked against float64 attention over the same pool (relative error), so a float16 pool's error is
-the kernel's arithmetic, not the pool's rounding. `f32_over_f16` is the AVX-512 path's time over a float32 pool
+engine calls them, over a pool whose blocks are shuffled. Each figure is the median of `--repeats` calls, the
+pools and paths of one shape called in turn; each output is checked against float64 attention over the same pool
+(relative error), so a float16 pool's error is the kernel's arithmetic, not the pool's rounding. `f32_over_f16` is the AVX-512 path's time over a float32 pool
 divided by its time over a float16 one, for the same case.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import statistics
 import sys
@@ -88,16 +87,22 @@ def reference(c: dict) -> torch.Tensor:
     return out
 
 
-def timed(fn, c: dict, threads: int, repeats: int) -> tuple[float, torch.Tensor]:
-    out = torch.full((c["tokens"], c["heads"], c["head_dim"]), float("nan"))
-    for _ in range(3):
-        call(fn, c, out, threads)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        call(fn, c, out, threads)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6, out
+def timed_together(runs: list[tuple], threads: int, repeats: int) -> list[tuple[float, torch.Tensor]]:
+    """runs: (kernel, case) pairs, called in turn within each repeat (the order reversed every other repeat), so a
+    shared machine's slow spells fall on all of them alike; each one's median microseconds and last output."""
+    outs = [torch.full((c["tokens"], c["heads"], c["head_dim"]), float("nan")) for _, c in runs]
+    for (fn, c), out in zip(runs, outs):
+        for _ in range(3):
+            call(fn, c, out, threads)
+    times = [[] for _ in runs]
+    for r in range(repeats):
+        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+        for i in order:
+            fn, c = runs[i]
+            start = time.perf_counter()
+            call(fn, c, outs[i], threads)
+            times[i].append(time.perf_counter() - start)
+    return [(statistics.median(t) * 1e6, out) for t, out in zip(times, outs)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -115,35 +120,38 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown:
         raise SystemExit(f"unknown pool dtype {unknown[0]!r}: choose from {', '.join(POOLS)}")
 
-    cases = []
+    rows = []
+    print(f"{'shape':14} {'rows':16} {'context':>7} {'pool':>7} {'portable_us':>12} {'avx512_us':>10} {'ratio':>6} "
+          f"{'err_portable':>12} {'err_avx512':>10}")
     for name, heads, kv_heads, head_dim in SHAPES:
         shapes = [(f"{args.rows} decode rows", args.rows, 1, int(x)) for x in args.contexts.split(",")]
         if args.chunk:
             shapes.append((f"chunk of {args.chunk}", 1, args.chunk, 4 * args.chunk))
         for what, seqs, chunk, context in shapes:
+            # every pool and path of one shape timed in turn, each over its own pool of the same random values
+            runs, refs = [], []
             for pool in pools:
-                cases.append((name, what, context, pool, case(heads, kv_heads, head_dim, seqs, chunk, context,
-                                                              pool=pool)))
-    rows = []
-    print(f"{'shape':14} {'rows':16} {'context':>7} {'pool':>7} {'portable_us':>12} {'avx512_us':>10} {'ratio':>6} "
-          f"{'err_portable':>12} {'err_avx512':>10}")
-    for name, what, context, pool, c in cases:
-        variants = {"portable": kernel(("-DPAGED_PORTABLE",), pool), "avx512": kernel((), pool)}
-        call(variants["portable"], c, torch.empty(c["tokens"], c["heads"], c["head_dim"]), args.threads)
-        ref = reference(c)   # over the pool as a call leaves it: the step's own keys and values written
-        row = {"shape": name, "rows": what, "context": context, "pool": pool}
-        for variant, fn in variants.items():
-            us, out = timed(fn, c, args.threads, args.repeats)
-            row[f"{variant}_us"] = us
-            row[f"err_{variant}"] = ((out.double() - ref).norm() / ref.norm()).item()
-        row["ratio"] = row["portable_us"] / row["avx512_us"]
-        same = [r for r in rows if (r["shape"], r["rows"], r["context"]) == (name, what, context)]
-        if pool == "float16" and same and same[0]["pool"] == "float32":
-            row["f32_over_f16"] = same[0]["avx512_us"] / row["avx512_us"]
-        rows.append(row)
-        print(f"{name:14} {what:16} {context:7d} {pool:>7} {row['portable_us']:12.1f} {row['avx512_us']:10.1f} "
-              f"{row['ratio']:6.2f} {row['err_portable']:12.1e} {row['err_avx512']:10.1e}"
-              + (f"   float32/float16 {row['f32_over_f16']:.2f}x" if "f32_over_f16" in row else ""))
+                c = case(heads, kv_heads, head_dim, seqs, chunk, context, pool=pool)
+                portable = kernel(("-DPAGED_PORTABLE",), pool)
+                call(portable, c, torch.empty(c["tokens"], c["heads"], c["head_dim"]), args.threads)
+                refs.append(reference(c))   # over the pool as a call leaves it: the step's own keys and values written
+                runs += [(portable, c), (kernel((), pool), c)]
+            timings = iter(timed_together(runs, args.threads, args.repeats))
+            for pool, ref in zip(pools, refs):
+                row = {"shape": name, "rows": what, "context": context, "pool": pool}
+                for variant in ("portable", "avx512"):
+                    us, out = next(timings)
+                    row[f"{variant}_us"] = us
+                    row[f"err_{variant}"] = ((out.double() - ref).norm() / ref.norm()).item()
+                row["ratio"] = row["portable_us"] / row["avx512_us"]
+                if pool == "float16" and "float32" in pools:
+                    f32 = next(r for r in rows[::-1] if r["pool"] == "float32")
+                    row["f32_over_f16"] = f32["avx512_us"] / row["avx512_us"]
+                rows.append(row)
+                print(f"{name:14} {what:16} {context:7d} {pool:>7} {row['portable_us']:12.1f} "
+                      f"{row['avx512_us']:10.1f} {row['ratio']:6.2f} {row['err_portable']:12.1e} "
+                      f"{row['err_avx512']:10.1e}"
+                      + (f"   float32/float16 {row['f32_over_f16']:.2f}x" if "f32_over_f16" in row else ""))
     result = {"threads": args.threads, "rows": rows}
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))

@@ -59,8 +59,9 @@ def paged_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Te
                  slots: torch.Tensor, row_seq: torch.Tensor, row_pos: torch.Tensor, tables: torch.Tensor,
                  scale: float) -> torch.Tensor:
     """A CPU step through the C kernel, float32 (a float32 or float16 pool): q [heads, tokens, d], k and v
-    [kv_heads, tokens, d] -> [tokens, heads, d]; per token its sequence (row_seq, int32) and position (row_pos, int32), per sequence its
-    block table (tables [seqs, width], int32), as paged.build_context lays them out for the kernel."""
+    [kv_heads, tokens, d] -> [tokens, heads, d]; per token its sequence (row_seq, int32) and position (row_pos,
+    int32), per sequence its block table (tables [seqs, width], int32), as paged.build_context lays them out for the
+    kernel."""
     return kernel_step(q, k, v, kv[0, layer], kv[1, layer], slots, row_seq, row_pos, tables,
                        int(row_pos.max()) + 1, scale)
 

@@ -81,7 +81,7 @@ def test_worker_settings_leave_the_device_defaults_to_the_engine(monkeypatch):
     assert expected_slots(settings) == 32 and settings.gpu_memory_utilization == 0.8
 
 
-def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch):
+def test_worker_settings_pass_the_attention_backend_eager_switch_and_kv_cache_dtype(monkeypatch):
     monkeypatch.delenv("ATTENTION_BACKEND", raising=False)
     monkeypatch.delenv("ENFORCE_EAGER", raising=False)
     assert (WorkerSettings().attention_backend, WorkerSettings().enforce_eager) == (None, None)
@@ -102,6 +102,10 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     assert WorkerSettings().decode_attention == "gather"
     assert attention.choose_decode_attention(None) == "gather"
     assert attention.choose_decode_attention("flex") == "flex"
+    monkeypatch.delenv("KV_CACHE_DTYPE", raising=False)
+    assert WorkerSettings().kv_cache_dtype is None   # auto: the model's dtype
+    monkeypatch.setenv("KV_CACHE_DTYPE", "float16")
+    assert WorkerSettings().kv_cache_dtype == "float16"
     monkeypatch.setenv("DECODE_ATTENTION", "paged")
     with pytest.raises(ValueError, match="Unknown decode attention 'paged'; choose one of triton, flex, gather"):
         attention.choose_decode_attention(None)
@@ -113,6 +117,7 @@ def test_worker_settings_pass_the_attention_backend_and_eager_switch(monkeypatch
     ("ENFORCE_EAGER", "maybe", "ENFORCE_EAGER must be 1 or 0"),
     ("OVERLAP_STEPS", "sometimes", "OVERLAP_STEPS must be 1 or 0"),
     ("MAX_NUM_BATCHED_TOKENS", "many", "MAX_NUM_BATCHED_TOKENS must be an integer; got 'many'"),
+    ("KV_CACHE_DTYPE", "fp8", "KV_CACHE_DTYPE must be one of auto, float16; got 'fp8'. Fix it in the environment"),
 ])
 def test_a_malformed_worker_setting_names_itself_and_its_value(monkeypatch, name, value, says):
     monkeypatch.setenv(name, value)

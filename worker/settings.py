@@ -41,6 +41,21 @@ def _switch(name: str, off: bool | None = None) -> bool | None:
     raise ValueError(f"{name} must be 1 or 0 (true/false); got {value!r}.")
 
 
+def _choice(name: str, choices: tuple[str, ...]) -> str | None:
+    """One of `choices`, or None when unset or empty (the default)."""
+    value = os.environ.get(name) or None
+    if value is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}. Fix it in the environment "
+                         f"(or .env), or unset it for the default.")
+    return value
+
+
+def kv_cache_dtype_setting() -> str | None:
+    from worker.engine.config import KV_CACHE_DTYPES
+
+    return _choice("KV_CACHE_DTYPE", KV_CACHE_DTYPES)
+
+
 def weights_setting() -> str:
     """WEIGHTS as the worker reads it: unset is auto, the device's measured best (model_loader.auto_weights)."""
     return os.environ.get("WEIGHTS") or "auto"
@@ -63,7 +78,7 @@ class WorkerSettings:
     kv_cache_gib: float | None = field(default_factory=lambda: _optional("KV_CACHE_GIB", float))
     # "float16": a float32 model's KV pool in half the bytes (the CPU's C attention kernel). Unset: "auto", the
     # model's dtype.
-    kv_cache_dtype: str | None = field(default_factory=lambda: os.environ.get("KV_CACHE_DTYPE") or None)
+    kv_cache_dtype: str | None = field(default_factory=kv_cache_dtype_setting)
     # Unset: decode steps replayed as CUDA graphs on CUDA, eager on CPU; "1" forces eager everywhere.
     enforce_eager: bool | None = field(default_factory=lambda: _switch("ENFORCE_EAGER"))
     # Unset: the C kernel on CPU (float32, when a compiler is present), else gathering the context.

@@ -21,13 +21,13 @@ pytestmark = pytest.mark.skipif(native.load() is None or not native.has_vnni(),
 PROMPTS = [1, 7, 40, 3, 12]
 
 
-def w8a8_engine(model_dir, compile_layers: bool) -> LLMEngine:
+def w8a8_engine(model_dir, compile_layers: bool, kv_cache_dtype: str = "auto") -> LLMEngine:
     """Compiled, or the model's own layer code (not the C-fused layers, which round differently)."""
     model, tok = load_model(str(model_dir))
     quantize_model(model, "w8a8")
     return LLMEngine(model, tok, EngineConfig(max_num_seqs=4, max_num_batched_tokens=24, block_size=4, num_blocks=64,
                                               attention_backend="kernel", compile_layers=compile_layers,
-                                              fused_layers=False))
+                                              fused_layers=False, kv_cache_dtype=kv_cache_dtype))
 
 
 def serve(engine: LLMEngine, cap: int = 6) -> dict[str, list[int]]:
@@ -69,6 +69,16 @@ def test_cpu_steps_through_compiled_layers_answer_as_the_model_and_compile_only_
         assert len(re.findall(r"supportbot\.paged_kernel\.default\(", code)) == 1, code
     engine.release_model()
     assert "forward" not in engine.runner.model.model.layers[0].__dict__
+
+
+def test_compiled_steps_over_a_float16_pool_answer_as_the_models_own_code_over_it(tiny_model_dir):
+    """The registered attention operator takes the float16 pool as it is: compiled layers give the uncompiled
+    engine's answers over a float16 pool, which differ from a float32 pool's on this model."""
+    want = serve(w8a8_engine(tiny_model_dir, compile_layers=False, kv_cache_dtype="float16"))
+    assert want != serve(w8a8_engine(tiny_model_dir, compile_layers=False))   # the pool's rounding shows
+    engine = w8a8_engine(tiny_model_dir, compile_layers=True, kv_cache_dtype="float16")
+    assert engine.runner.kv.dtype == torch.float16 and engine.runner.compiled_eager
+    assert serve(engine) == want
 
 
 def test_a_step_of_one_token_runs_as_two_with_the_padding_row_in_the_scratch_block(tiny_model_dir):

@@ -361,6 +361,8 @@ static int plan(call_args *a) {
     return 0;
 }
 
+/* Each exported function opens its own parallel region: the compiler outlines a region before it inlines, so one
+ * region in a shared helper would be one loop testing the pool's type at run time (each_thread's note). */
 #define CALL_ARGS {q, k, v, q_tok, q_head, k_tok, k_head, v_tok, v_head, k_cache, v_cache, num_blocks, block_size, \
                    heads, kv_heads, head_dim, slots, num_tokens, row_seq, row_pos, tables, table_width, \
                    max_context, scale, out, NULL, 0}

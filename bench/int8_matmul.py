@@ -1,12 +1,12 @@
 """Every w8a8 matmul of a model in turn (q/k/v, o, gate/up and down in each layer, then the head), by kernel and rows.
 
     python -m bench.int8_matmul [--config smollm2-135m] [--rows 1,4,16,48,64,128] [--repeats 15]
-                                [--kernels vnni,amx,torch._int_mm] [--json PATH]
+                                [--kernels vnni,amx,avx2,torch._int_mm] [--json PATH]
 
 Random weights of the config's shapes, quantised and laid out as the engine does (`Int8Matmul`): a matmul's time
 does not depend on its values. The default model's int8 weights (134 MB) are more than the caches hold, so each
 pass reads them from memory as a decode step does. Each kernel makes the engine's own call: the tile kernels
-("vnni", "amx") quantise and multiply in one C call at any row count (the engine hands VNNI's steps past
+("vnni", "amx", "avx2") quantise and multiply in one C call at any row count (the engine hands VNNI's steps past
 `VNNI_ROWS` rows to torch._int_mm: this measures that threshold); "torch._int_mm" quantises and scales in C around
 torch's matmul. Each kernel's products are first checked against torch._int_mm's, bit for bit; then the kernels
 alternate within each repeat. Prints the median ms of a whole pass and the weights' bytes over it in GB/s.
@@ -27,7 +27,7 @@ from bench.random_model import read_config
 from worker.engine import native
 from worker.engine.weights.quantised import UNTILED, VNNI_ROWS, Int8Matmul, int8_matmul, tile_matmul
 
-KERNELS = ("vnni", "amx", UNTILED)
+KERNELS = ("vnni", "amx", "avx2", UNTILED)
 
 
 def model_matmuls(config: PretrainedConfig) -> list[Int8Matmul]:

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+from tests.markers import BF16
 from worker.engine import attention, native
 from worker.engine.sampler import Sampler
 from worker.engine.fused import FusedLayers
@@ -74,7 +75,7 @@ def ref_model(tiny_model_dir):
     return load_model(str(tiny_model_dir))[0]
 
 
-@pytest.mark.parametrize("weights", ["int4", "int8", "bfloat16", "w8a8"])
+@pytest.mark.parametrize("weights", ["int4", "int8", BF16, "w8a8"])
 def test_greedy_matches_generate_on_the_same_low_precision_model(tiny_model_dir, weights):
     """Greedy answers equal per-prompt `generate` on the same quantised model, with requests arriving
     mid-decode, chunked prefill and a shared prefix (the kernels give a row the same result whatever the batch)."""
@@ -195,7 +196,7 @@ def test_greedy_matches_generate_on_the_real_default_model(real_model):
 
 @pytest.mark.real_model
 @pytest.mark.skipif(native.load() is None, reason="no C compiler for the paged-attention kernel")
-@pytest.mark.parametrize("weights", ["int4", "int8", "bfloat16", "w8a8"])
+@pytest.mark.parametrize("weights", ["int4", "int8", BF16, "w8a8"])
 def test_greedy_matches_generate_on_the_kernels_attention_on_the_real_model_at_each_precision(weights):
     """At low precision on the default model, SDPA's last bits differ from the kernel's (and from its own at another
     prompt length), and rounding each layer's input magnifies them until some greedy answers part. `generate` on

@@ -114,16 +114,22 @@ def test_the_engines_fused_layers_answer_as_generate_on_the_same_arithmetic(arch
 
 
 def test_outside_a_step_and_once_released_the_layers_are_the_models_own(tiny_model_dir):
+    from worker.engine.weights.packed import pack_linears
+
     model, tok = load_model(str(tiny_model_dir))
     ids = torch.tensor([list(range(5, 25))])
     want = model(ids).logits
+    packed = load_model(str(tiny_model_dir))[0]
+    pack_linears(packed)   # what the engine does to the linears while it holds the model (oneDNN's own last bits)
+    want_held = packed(ids).logits
     engine = engine_for(model, tok)
     serve(engine, cap=8)
     # A forward pass of its own (generate, a reference) while the engine holds the model: the model's code.
     model.set_attn_implementation("sdpa")
-    assert torch.equal(model(ids).logits, want)
+    assert torch.equal(model(ids).logits, want_held)
     engine.release_model()
     assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    assert torch.equal(model(ids).logits, want)   # the linears unpacked too
 
 
 def test_models_the_fused_layers_do_not_fit_keep_their_own_code(tiny_model_dirs, tokenizer, tmp_path, caplog):
@@ -178,10 +184,10 @@ def test_w8a8_siblings_run_their_shared_matmul_once_for_the_same_columns(tiny_mo
 def test_a_whole_w8a8_layer_in_one_call_computes_the_kernels_one_by_one_to_the_bit(arch, tiny_model_dirs, tokenizer,
                                                                                    tmp_path, monkeypatch):
     from worker.engine import fused
-    from worker.engine.weights.quantised import VNNI_ROWS, quantize_model
+    from worker.engine.weights.quantised import VNNI_ROWS, WHOLE_TILE_KERNELS, Int8Matmul, quantize_model
 
     if native.load_layer_step() is None or not native.int8_tile_kernels():
-        pytest.skip("needs the whole-layer kernel and a w8a8 tile kernel (AMX or AVX512-VNNI)")
+        pytest.skip("needs the whole-layer kernel and a w8a8 tile kernel (AMX, AVX512-VNNI or AVX2)")
     path = tiny_model_dirs.get(arch) or make_tiny_model_dir(tmp_path / arch, tokenizer, arch)
     one_by_one = []
     real = fused.fused_layer
@@ -216,8 +222,11 @@ def test_a_whole_w8a8_layer_in_one_call_computes_the_kernels_one_by_one_to_the_b
     kernels, rows_all = answers(False)
     assert whole == kernels   # tokens, and every log-probability to the bit
     assert rows_all and all(rows > VNNI_ROWS for rows in rows_left)
-    if "amx" not in native.int8_tile_kernels():
+    kernel = next(m.kernel for m in load_model(str(path), weights="w8a8")[0].modules() if isinstance(m, Int8Matmul))
+    if kernel == "vnni":
         assert rows_left, "a step past VNNI's rows took the whole-layer call"
+    else:   # AMX and AVX2 take every row count in one call a layer
+        assert kernel in WHOLE_TILE_KERNELS and not rows_left
 
 
 @pytest.mark.parametrize("layers", ["own", "fused", "w8a8-one-call"])

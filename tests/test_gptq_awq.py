@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams
-from worker.engine.weights.quantised import Int4Linear, Int8Embedding
+from worker.engine import EngineConfig, LLMEngine, RequestFinished, SamplingParams, attention
+from worker.engine.weights.quantised import Int4Linear, Int8Embedding, bfloat16_refusal
 from worker.engine.weights.gptq_awq import awq_int4, gptq_int4
 from worker.model_loader import ModelLoadError, load_model
 
@@ -462,8 +462,9 @@ def test_weights_int4_also_quantises_the_rest_and_bfloat16_swaps_the_dequantised
     assert isinstance(model.lm_head, Int4Linear) and isinstance(model.get_input_embeddings(), Int8Embedding)
     assert report.layers == {"int4": 15} and report.from_checkpoint == 14 and report.requantized == 1
     assert "14 from the GPTQ checkpoint's 4-bit codes, 1 quantised from float" in report.describe()
-    model, _ = load_model(str(path), weights="bfloat16")
-    assert model.weights_report.layers == {"bfloat16": 15} and model.weights_report.dequantized == 14
+    if bfloat16_refusal() is None:   # oneDNN's bfloat16 matmul runs on this CPU
+        model, _ = load_model(str(path), weights="bfloat16")
+        assert model.weights_report.layers == {"bfloat16": 15} and model.weights_report.dequantized == 14
     model, _ = load_model(str(path), weights="w8a8")
     assert model.weights_report.layers == {"w8a8": 15} and model.weights_report.dequantized == 14
     attention = model.model.layers[0].self_attn
@@ -475,6 +476,10 @@ def test_engine_greedy_equals_generate_on_the_loaded_checkpoint(case, checkpoint
     path, _ = checkpoints[case]
     model, tokenizer = load_model(str(path))
     ref = load_model(str(path))[0]
+    # The engine's attention arithmetic: with int4 weights SDPA's last bits part from the kernel's on some CPUs
+    # (AVX2: near-tied tokens of the random checkpoint), as test_engine's low-precision tests say.
+    attention.register()
+    ref.set_attn_implementation(attention.KERNEL_REFERENCE)
     engine = LLMEngine(model, tokenizer, EngineConfig(max_num_seqs=2, max_num_batched_tokens=24, block_size=4,
                                                       num_blocks=48, attention_backend="kernel"))
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,

@@ -12,8 +12,9 @@ from worker.engine.weights.quantised import (GROUP, BF16_ROWS, KERNEL_DTYPE, BF1
                                         int8_per_channel, kernel_group, quantize_model, quantize_rows)
 from worker.engine.weights.gguf_blocks import q4_1_to_int4
 from worker.model_loader import ModelLoadError, load_model
+from tests.markers import BF16, needs_bf16_matmul
 
-KINDS = ("int4", "int8", "bfloat16", "w8a8")
+KINDS = ("int4", "int8", BF16, "w8a8")
 
 
 def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.nn.Linear:
@@ -193,6 +194,7 @@ def test_default_gguf_blocks_are_exactly_the_float_weights_transformers_loads(re
     assert torch.equal(Int8Embedding(table).dequantized(), table)
 
 
+@needs_bf16_matmul
 def test_a_bfloat16_head_gives_a_row_the_same_logits_in_any_batch(tiny):
     model, _ = tiny
     report = quantize_model(model, "int4", head="bfloat16")
@@ -280,25 +282,31 @@ def test_w8a8_row_kernels_give_torch_ops_results_bit_for_bit(two_threads):
     assert codes[0, :8].tolist() == [127, 0, 2, 2, 0, -2, -2, 126]
 
 
-@pytest.mark.parametrize("kernel", ["amx", "vnni"])
+@pytest.mark.parametrize("kernel", ["amx", "vnni", "avx2"])
 def test_w8a8_tile_kernels_give_torch_ops_results_bit_for_bit(kernel, two_threads):
-    """The AMX and AVX512-VNNI tile kernels (int8_rows.c) against torch._int_mm and the torch ops, for every row
-    count a tile meets (a block of 16 rows, a part block, several blocks, groups of four blocks and beyond)."""
+    """The AMX, AVX512-VNNI and AVX2 tile kernels (int8_rows.c) against torch._int_mm and the torch ops, for every
+    row count a tile meets (a block of 16 rows or of 4, a part block, several blocks, groups of four blocks and
+    beyond), with activations and weights at the int8 range's ends (AVX2's 16-bit pair sums reach 2 * 127 * 127)."""
     if kernel not in native.int8_tile_kernels():
         pytest.skip(f"this CPU or compiler has no {kernel} (native.int8_tile_kernels)")
     torch.manual_seed(6)
-    linears = [linear(torch.randn(n, 128) * 0.1, torch.randn(n)) for n in (64, 48)]   # 7 tiles: one left unpaired
+    extreme = torch.where(torch.arange(128) % 3 == 0, -1.0, 1.0)   # every code +-127, in rows and in channels
+    first = torch.randn(64, 128) * 0.1
+    first[:16] = extreme * 0.1
+    linears = [linear(first, torch.randn(64)), linear(torch.randn(48, 128) * 0.1, torch.randn(48))]   # 7 tiles
     matmul = W8A8Linear.group(linears)[0].matmul
     assert matmul.kernel is not None and matmul.tiles is not None
     matmul.kernel = kernel
     x = torch.randn(300, 128) * torch.rand(300, 1) * 50
     x[3] = 0
-    for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17, 33, 48, 64, 65, 80, 300):
+    x[1], x[2] = extreme * 3, -extreme * 3   # sums of 128 products of 127 * 127, either sign
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 33, 48, 64, 65, 80, 300):
         fast = matmul._run(x[:rows])
         matmul.row_kernels = False
         slow = matmul._run(x[:rows])
         matmul.row_kernels = True
         assert torch.equal(fast, slow), rows
+    assert matmul._run(x[1:3])[:, :16].abs().min() > 0   # the extreme rows did meet the extreme channels
     codes, _ = int8_per_channel(torch.cat([m.weight for m in linears]))
     assert torch.equal(matmul.plain_codes_t(), codes.t())   # the tiles read back as torch._int_mm's layout
 
@@ -307,7 +315,7 @@ def test_the_load_line_says_which_kernel_takes_the_w8a8_matmuls(tiny):
     model, _ = tiny
     report = quantize_model(model, "w8a8")
     assert sum(report.int8_kernels.values()) == len({id(m) for m in model.modules() if isinstance(m, Int8Matmul)})
-    assert set(report.int8_kernels) <= {"amx", "vnni", "torch._int_mm"}
+    assert set(report.int8_kernels) <= {"amx", "vnni", "avx2", "torch._int_mm"}
     assert "int8 matmuls: " in report.describe()
     mixed = QuantReport("w8a8", {"w8a8": 5}, int8_kernels={"amx": 3, "torch._int_mm": 2})
     assert "3 amx, 2 torch._int_mm (the torch._int_mm ones have shapes outside the tiles" in mixed.describe()
@@ -316,6 +324,31 @@ def test_the_load_line_says_which_kernel_takes_the_w8a8_matmuls(tiny):
 def test_w8a8_on_a_cpu_without_vnni_is_warned_about(tiny, monkeypatch, caplog):
     model, _ = tiny
     monkeypatch.setattr(native, "has_vnni", lambda: False)
+    monkeypatch.setattr(native, "int8_tile_kernels", lambda: frozenset({"avx2"}))
     with caplog.at_level("WARNING", logger="worker.engine.weights.quantised"):
         quantize_model(model, "w8a8")
-    assert "lists no VNNI instructions" in caplog.text and "WEIGHTS=int4 or bfloat16" in caplog.text
+    assert not caplog.text   # the AVX2 tile kernel takes the matmuls
+    monkeypatch.setattr(native, "int8_tile_kernels", lambda: frozenset())
+    with caplog.at_level("WARNING", logger="worker.engine.weights.quantised"):
+        quantize_model(model, "w8a8")
+    assert "lists no VNNI instructions" in caplog.text and "WEIGHTS=int4 or float32" in caplog.text
+
+
+def test_bfloat16_weights_on_a_cpu_without_its_instructions_are_refused_naming_the_setting(tiny, monkeypatch):
+    """oneDNN's bfloat16 matmul needs AVX-512 or AVX-NE-CONVERT; elsewhere WEIGHTS=bfloat16 is refused before the
+    model loads, saying what to set, rather than failing at the first layer in oneDNN's words."""
+    from worker import model_loader
+    from worker.engine.weights import quantised
+
+    model, _ = tiny
+    refusal = quantised.bfloat16_refusal()
+    if refusal is None:   # this CPU runs it: a layer is built, and the refusal is shown by pretending otherwise
+        assert BF16Linear(torch.randn(64, 96))(torch.randn(2, 96)).shape == (2, 64)
+        monkeypatch.setattr(quantised, "bfloat16_refusal", lambda: "WEIGHTS=bfloat16 needs ... use WEIGHTS=auto")
+    message = quantised.bfloat16_refusal()
+    assert "WEIGHTS=bfloat16" in message and "WEIGHTS=auto" in message
+    with pytest.raises(model_loader.ModelLoadError, match="WEIGHTS=bfloat16"):
+        model_loader.pick_weights(torch.device("cpu"), "bfloat16")
+    with pytest.raises(ValueError, match="WEIGHTS=bfloat16"):
+        quantize_model(model, "bfloat16")
+    assert model_loader.pick_weights(torch.device("cpu"), "int4") == "int4"

@@ -168,7 +168,7 @@ def pick_weights(device: torch.device, weights: str | None = None,
     CPU), w8a8 (int8 weights and activations, CPU), or auto (auto_weights). None: float32, the weights as stored
     (a GPTQ or AWQ directory keeps its own int4 layers: load_quantized_dir). Any other precision off the CPU is
     refused, `off_cpu` saying what then."""
-    from worker.engine.weights.quantised import check_choice
+    from worker.engine.weights.quantised import bfloat16_refusal, check_choice
 
     if not weights:
         return "float32"
@@ -179,6 +179,8 @@ def pick_weights(device: torch.device, weights: str | None = None,
         precision = check_choice(choice)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
+    if precision == "bfloat16" and device.type == "cpu" and bfloat16_refusal():
+        raise ModelLoadError(bfloat16_refusal())
     if precision != "float32" and device.type != "cpu":
         raise ModelLoadError(f"WEIGHTS={precision} runs on the CPU only (torch's int4/int8 kernels here are CPU "
                              f"kernels); on {device.type} unset WEIGHTS{off_cpu}.")

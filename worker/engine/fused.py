@@ -21,7 +21,7 @@ import torch
 from . import attention, native
 from .attention import current_context, ops
 from .compiled import decoder_layers
-from .weights.quantised import VNNI_ROWS, Int8Matmul, W8A8Linear
+from .weights.quantised import VNNI_ROWS, WHOLE_TILE_KERNELS, Int8Matmul, W8A8Linear
 
 # Decoder layers whose forward is Llama's: pre-norm RMSNorm, rotary on every head dimension, SiLU-gated MLP (Qwen3's
 # also normalises each query and key head before rotary).
@@ -175,7 +175,7 @@ class Product(ctypes.Structure):
     """layer_step.c's `product`: one w8a8 matmul's tiles, shifts, scales and bias (or NULL)."""
 
     _fields_ = [("tiles", ctypes.c_void_p), ("shift", ctypes.c_void_p), ("scales", ctypes.c_void_p),
-                ("bias", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64), ("amx", ctypes.c_int32)]
+                ("bias", ctypes.c_void_p), ("k", ctypes.c_int64), ("n", ctypes.c_int64), ("kernel", ctypes.c_int32)]
 
 
 class LayerWeights(ctypes.Structure):
@@ -219,15 +219,15 @@ def _product(linears: tuple[torch.nn.Module, ...]) -> tuple[Product, float] | No
     """The w8a8 product the linears share (all of its members, in order) in a tile kernel, and the most rows it
     takes there; None for anything else."""
     matmul = shared_matmul(linears)
-    if matmul is None or matmul.kernel not in ("amx", "vnni") or not matmul.row_kernels:
+    if matmul is None or matmul.kernel not in native.INT8_KERNEL_CODES or not matmul.row_kernels:
         return None
     bias = matmul.bias
     if bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()):
         return None
     product = Product(matmul.tiles.data_ptr(), matmul.shift.data_ptr(), matmul.scales.data_ptr(),
                       bias.data_ptr() if bias is not None else None, matmul.in_features, matmul.scales.shape[0],
-                      matmul.kernel == "amx")
-    return product, (float("inf") if matmul.kernel == "amx" else VNNI_ROWS)
+                      native.INT8_KERNEL_CODES[matmul.kernel])
+    return product, (float("inf") if matmul.kernel in WHOLE_TILE_KERNELS else VNNI_ROWS)
 
 
 def whole_layer(layer) -> WholeLayer | None:

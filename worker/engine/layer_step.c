@@ -16,7 +16,7 @@ int rotary_f32(const float *q, int64_t q_stride, const float *k, int64_t k_strid
 void silu_mul_f32(const float *gate, int64_t gate_stride, const float *up, int64_t up_stride, int64_t rows,
                   int64_t cols, float *out, int threads);
 int quantize_matmul_s8(const float *x, int64_t rows, int64_t k, int64_t stride, int64_t n, const int8_t *packed,
-                       const int32_t *shift, const float *col_scales, float *out, int amx, int threads);
+                       const int32_t *shift, const float *col_scales, float *out, int kernel, int threads);
 int paged_attention_f32(const float *q, int64_t q_tok, int64_t q_head, const float *k, int64_t k_tok,
                         int64_t k_head, const float *v, int64_t v_tok, int64_t v_head, float *k_cache,
                         float *v_cache, int64_t num_blocks, int block_size, int heads, int kv_heads, int head_dim,
@@ -31,13 +31,13 @@ int paged_attention_f16kv(const float *q, int64_t q_tok, int64_t q_head, const f
                           float scale, float *out, int num_threads);
 
 /* One w8a8 product: int8 codes in tiles (int8_rows.c), per-channel shifts and scales, an optional bias; n outputs
- * of k inputs. amx: 1 for the AMX kernel, 0 for VNNI. */
+ * of k inputs. kernel: 0 VNNI, 1 AMX, 2 AVX2 (native.INT8_KERNEL_CODES). */
 typedef struct {
     const int8_t *tiles;
     const int32_t *shift;
     const float *scales, *bias;
     int64_t k, n;
-    int32_t amx;
+    int32_t kernel;
 } product;
 
 /* A layer's weights and shapes, laid out once (fused.py's LayerWeights mirrors it). */
@@ -71,7 +71,7 @@ int64_t layer_step_scratch(int64_t tokens, int64_t hidden, int64_t heads, int64_
 }
 
 static int run_product(const product *p, const float *x, int64_t rows, int64_t stride, float *out, int threads) {
-    const int rc = quantize_matmul_s8(x, rows, p->k, stride, p->n, p->tiles, p->shift, p->scales, out, p->amx,
+    const int rc = quantize_matmul_s8(x, rows, p->k, stride, p->n, p->tiles, p->shift, p->scales, out, p->kernel,
                                       threads);
     if (rc <= 0)
         return rc;

@@ -30,11 +30,14 @@ INT8_ARGTYPES = {"quantize_rows_s8": [_P, _I64, _I64, _I64, _P, _P, _I32],   # x
                  # codes, rows, K, N, tiles, shifts, row/col scales, out, scratch, threads
                  "matmul_vnni_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
                  "matmul_amx_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
-                 # x, rows, K, x's row stride, N, tiles, shifts, col scales, out, amx (1) or vnni (0), threads
+                 "matmul_avx2_s8": [_P, _I64, _I64, _I64, _P, _P, _P, _P, _P, _P, _I32],
+                 # x, rows, K, x's row stride, N, tiles, shifts, col scales, out, kernel (INT8_KERNEL_CODES), threads
                  "quantize_matmul_s8": [_P, _I64, _I64, _I64, _I64, _P, _P, _P, _P, _I32, _I32],
                  "amx_ready": []}
 # 0: built without the instructions (or, for AMX, refused its tile state); the caller then takes another path
-INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, "amx_ready": ctypes.c_int,
+INT8_KERNEL_CODES = {"vnni": 0, "amx": 1, "avx2": 2}   # quantize_matmul_s8's and layer_step.c's `kernel`
+INT8_RESTYPES = {"matmul_vnni_s8": ctypes.c_int, "matmul_amx_s8": ctypes.c_int, "matmul_avx2_s8": ctypes.c_int,
+                 "amx_ready": ctypes.c_int,
                  "quantize_matmul_s8": ctypes.c_int}
 LAYER_ARGTYPES = {"rms_norm_f32": [_P, _I64, _I64, _I64, _P, _F32, _P, _I32],   # x, rows, cols, stride, w, eps, out
                   # x, its stride, y, its stride, rows, cols, weight, eps, sum, out, threads
@@ -155,12 +158,12 @@ def _build(path: Path, what: str, fallback: str, flags: tuple[str, ...] = (),
 
 @cache
 def int8_tile_kernels() -> frozenset[str]:
-    """The w8a8 tile kernels that run here: "amx" (AMX int8, with Linux's leave for its tile state) and "vnni"
-    (AVX512-VNNI), probed with an empty call; none without a compiler or those instructions."""
+    """The w8a8 tile kernels that run here: "amx" (AMX int8, with Linux's leave for its tile state), "vnni"
+    (AVX512-VNNI) and "avx2", probed with an empty call; none without a compiler or those instructions."""
     lib = load_int8_rows()
     if lib is None:
         return frozenset()
     empty = ctypes.c_void_p(0)
     probe = [empty, 0, 64, 0, empty, empty, empty, empty, empty, empty, 1]   # no rows, no channels
-    return frozenset(name for name, kernel in (("amx", lib.matmul_amx_s8), ("vnni", lib.matmul_vnni_s8))
-                     if kernel(*probe))
+    kernels = (("amx", lib.matmul_amx_s8), ("vnni", lib.matmul_vnni_s8), ("avx2", lib.matmul_avx2_s8))
+    return frozenset(name for name, kernel in kernels if kernel(*probe))

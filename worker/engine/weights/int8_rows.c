@@ -46,12 +46,12 @@ void scale_rows_cols(const int32_t *acc, int64_t rows, int64_t cols, const float
     }
 }
 
-/* int8 weights in tiles, for AMX and AVX512-VNNI: torch._int_mm lays its weights out again on every call, which
+/* int8 weights in tiles, for AMX, AVX512-VNNI and AVX2: torch._int_mm lays its weights out again on every call, which
  * reads them from memory at a third of its speed; these tiles are laid out once (quantised.py's _tiles), so a step
  * streams each weight byte once. Tile t holds output channels 16t..16t+15 as [K/4][16][4] codes: one 64-byte line
- * per 4 inputs. Both instructions take unsigned activations: each code is shifted by 128 (c ^ 0x80), and 128 times
- * the channel's code sum (`shift`) is taken off after: int32 sums, exact, so the result is torch._int_mm's and
- * scale_rows_cols' to the bit. */
+ * per 4 inputs. VNNI's and AMX's instructions take unsigned activations: each code is shifted by 128 (c ^ 0x80),
+ * and 128 times the channel's code sum (`shift`) is taken off after: int32 sums, exact, so the result is
+ * torch._int_mm's and scale_rows_cols' to the bit. */
 
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -242,25 +242,112 @@ int matmul_amx_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const
 }
 #endif
 
-/* quantize_rows_s8, then the tile kernel (amx: 1 for AMX, 0 for VNNI), in one call with the codes, row scales and
- * shifted scratch taken from the heap: w8a8's usual path, without a call and three buffers from the caller for each
- * part. Returns the kernel's result (0: not in this build), or -1 when memory runs out. */
+#if defined(__AVX2__)
+#include <immintrin.h>
+
+/* AVX2, for CPUs without VNNI, where oneDNN's int8 matmul runs at a fraction of float32's speed: the same tiles, with
+ * VPMADDUBSW (unsigned times signed bytes, pairs summed to 16 bits) and VPMADDWD (pairs of those to 32 bits). The
+ * activation's sign goes onto the weight (VPSIGNB) and its magnitude stays unsigned: |a| <= 127 and |w| <= 127, so a
+ * pair's sum stays under 2 * 127 * 127 = 32258 and never saturates. Exact int32 sums, so the result is
+ * torch._int_mm's and scale_rows_cols' to the bit, with no shift. Activations are laid out in blocks of 4 rows,
+ * [K/4][4 rows] words of four codes, signed and magnitudes side by side, so each step broadcasts from one line. */
+#define AVX2_ROWS(R)                                                                                          \
+    static void avx2_tile_##R(const int32_t *a, const int32_t *ua, int64_t k, int64_t rows, const int8_t *tile,  \
+                              const float *row_scales, const float *col_scales, float *out, int64_t n) {        \
+        __m256i lo[R], hi[R];                                                                                  \
+        const __m256i ones = _mm256_set1_epi16(1);                                                             \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) lo[r] = hi[r] = _mm256_setzero_si256();             \
+        for (int64_t i = 0; i < k / 4; i++) {                                                                  \
+            _mm_prefetch((const char *)(tile + k * 16 + i * 64), _MM_HINT_T1);                                \
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)(tile + i * 64));                           \
+            const __m256i w1 = _mm256_loadu_si256((const __m256i *)(tile + i * 64 + 32));                      \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                              \
+                const __m256i s = _mm256_set1_epi32(a[i * 4 + r]), u = _mm256_set1_epi32(ua[i * 4 + r]);       \
+                lo[r] = _mm256_add_epi32(lo[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(w0, s)), \
+                                                                  ones));                                      \
+                hi[r] = _mm256_add_epi32(hi[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(w1, s)), \
+                                                                  ones));                                      \
+            }                                                                                                  \
+        }                                                                                                      \
+        const __m256 cs0 = _mm256_loadu_ps(col_scales), cs1 = _mm256_loadu_ps(col_scales + 8);                 \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r++) {                                                  \
+            if (r < rows) {                                                                                    \
+                const __m256 rs = _mm256_set1_ps(row_scales[r]);                                               \
+                _mm256_storeu_ps(out + r * n, _mm256_mul_ps(_mm256_cvtepi32_ps(lo[r]), _mm256_mul_ps(rs, cs0))); \
+                _mm256_storeu_ps(out + r * n + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(hi[r]), _mm256_mul_ps(rs, cs1))); \
+            }                                                                                                  \
+        }                                                                                                      \
+    }
+AVX2_ROWS(1)
+AVX2_ROWS(2)
+AVX2_ROWS(4)
+
+/* As matmul_vnni_s8, at any row count; `shift` is not read. `scratch` is 2 * ceil(rows / 4) * 4 * k bytes. */
+int matmul_avx2_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
+                   const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
+                   uint8_t *scratch, int threads) {
+    const int64_t blocks = (rows + 3) / 4, quads = k / 4;
+    int32_t *a = (int32_t *)scratch, *ua = a + blocks * quads * 4;
+    for (int64_t b = 0; b < blocks; b++)   /* [block][K/4][4 rows], padding rows zero */
+        for (int64_t i = 0; i < quads; i++)
+            for (int64_t r = 0; r < 4; r++) {
+                const int64_t m = b * 4 + r, at = (b * quads + i) * 4 + r;
+                int8_t four[4] = {0, 0, 0, 0}, mag[4] = {0, 0, 0, 0};
+                if (m < rows)
+                    for (int j = 0; j < 4; j++) {
+                        four[j] = codes[m * k + i * 4 + j];
+                        mag[j] = (int8_t)(four[j] < 0 ? -four[j] : four[j]);
+                    }
+                memcpy(a + at, four, 4);
+                memcpy(ua + at, mag, 4);
+            }
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < n / 16; t++) {
+        const int8_t *tile = packed + t * k * 16;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int64_t m = b * 4, left = rows - m;
+            const int32_t *ab = a + b * quads * 4, *ub = ua + b * quads * 4;
+            float *o = out + m * n + t * 16;
+            const float *cs = col_scales + t * 16;
+            if (left > 2) avx2_tile_4(ab, ub, k, left, tile, row_scales + m, cs, o, n);
+            else if (left == 2) avx2_tile_2(ab, ub, k, left, tile, row_scales + m, cs, o, n);
+            else avx2_tile_1(ab, ub, k, left, tile, row_scales + m, cs, o, n);
+        }
+    }
+    (void)shift;
+    return 1;
+}
+#else
+int matmul_avx2_s8(const int8_t *codes, int64_t rows, int64_t k, int64_t n, const int8_t *packed,
+                   const int32_t *shift, const float *row_scales, const float *col_scales, float *out,
+                   uint8_t *scratch, int threads) {
+    return 0;
+}
+#endif
+
+/* quantize_rows_s8, then the tile kernel (kernel: 0 VNNI, 1 AMX, 2 AVX2), in one call with the codes, row scales and
+ * scratch taken from the heap: w8a8's usual path, without a call and three buffers from the caller for each part.
+ * Returns the kernel's result (0: not in this build), or -1 when memory runs out. */
 int quantize_matmul_s8(const float *x, int64_t rows, int64_t k, int64_t stride, int64_t n, const int8_t *packed,
-                       const int32_t *shift, const float *col_scales, float *out, int amx, int threads) {
+                       const int32_t *shift, const float *col_scales, float *out, int kernel, int threads) {
     if (rows == 0)
         return 1;
     const size_t padded = (size_t)((rows + 15) / 16 * 16) * (size_t)k;
     int8_t *codes = aligned_alloc(64, (padded + 63) / 64 * 64);
     float *row_scales = aligned_alloc(64, ((size_t)rows * sizeof(float) + 63) / 64 * 64);
-    uint8_t *shifted = aligned_alloc(64, (padded + 63) / 64 * 64);
+    uint8_t *scratch = aligned_alloc(64, (2 * padded + 63) / 64 * 64);
     int rc = -1;
-    if (codes != NULL && row_scales != NULL && shifted != NULL) {
+    if (codes != NULL && row_scales != NULL && scratch != NULL) {
         quantize_rows_s8(x, rows, k, stride, codes, row_scales, threads);
-        rc = amx ? matmul_amx_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, shifted, threads)
-                 : matmul_vnni_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, shifted, threads);
+        if (kernel == 1)
+            rc = matmul_amx_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, scratch, threads);
+        else if (kernel == 2)
+            rc = matmul_avx2_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, scratch, threads);
+        else
+            rc = matmul_vnni_s8(codes, rows, k, n, packed, shift, row_scales, col_scales, out, scratch, threads);
     }
     free(codes);
     free(row_scales);
-    free(shifted);
+    free(scratch);
     return rc;
 }

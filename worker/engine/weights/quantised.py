@@ -146,6 +146,16 @@ class Int8Linear(nn.Module):
         return self.weight.float() * self.scales.float()[:, None]
 
 
+def bfloat16_refusal() -> str | None:
+    """Why WEIGHTS=bfloat16 cannot run on this CPU, or None: oneDNN's bfloat16 matmul needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, and without them refuses at the first layer with an error that names neither the setting nor a
+    way out."""
+    if torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None
+    return ("WEIGHTS=bfloat16 needs a CPU with AVX-512 (BW, VL and DQ) or AVX-NE-CONVERT for oneDNN's bfloat16 "
+            "matmul, and this one lists neither; use WEIGHTS=auto (the measured best here), float32, int4 or w8a8.")
+
+
 class BF16Linear(nn.Module):
     """bfloat16 weights prepacked for oneDNN, run in calls of 2 to `rows_per_call` rows: oneDNN gives a row the same
     result in calls of 2 to 32 rows, and not beyond (another blocking, on Xeons) nor alone (another kernel for 1536
@@ -157,6 +167,9 @@ class BF16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.rows_per_call = rows_per_call
+        refusal = bfloat16_refusal()
+        if refusal:
+            raise ValueError(refusal)
         with torch.no_grad():
             self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(
                 weight.detach().to(KERNEL_DTYPE).contiguous(), PACK_ROWS_HINT))
@@ -217,14 +230,15 @@ class Int8Matmul(nn.Module):
         super().__init__()
         codes, scales = int8_per_channel(torch.cat([w.detach().float() for w in weights]))
         self.in_features = codes.shape[1]
-        # Where a tile kernel runs (int8_rows.c: AMX, else AVX512-VNNI for small batches), the codes are laid out
-        # once in its tiles: torch._int_mm lays them out again on every call, which reads them at a third of the
-        # memory's speed. AMX takes every batch size; VNNI hands large ones to torch._int_mm, which keeps [K, N].
+        # Where a tile kernel runs (int8_rows.c: AMX, else AVX512-VNNI for small batches, else AVX2), the codes are
+        # laid out once in its tiles: torch._int_mm lays them out again on every call, which reads them at a third
+        # of the memory's speed. AMX and AVX2 take every batch size; VNNI hands large ones to torch._int_mm, which
+        # keeps [K, N].
         self.kernel = _tile_kernel(*codes.shape[::-1]) if codes.device.type == "cpu" else None
         tiles = _tiles(codes) if self.kernel else (None, None)
         self.register_buffer("tiles", tiles[0])
         self.register_buffer("shift", tiles[1])
-        self.register_buffer("codes_t", None if self.kernel == "amx" else codes.t().contiguous())
+        self.register_buffer("codes_t", None if self.kernel in WHOLE_TILE_KERNELS else codes.t().contiguous())
         self.register_buffer("scales", scales)
         self.register_buffer("bias", None if all(b is None for b in biases) else torch.cat(
             [b.detach().float() if b is not None else w.new_zeros(len(w), dtype=torch.float32)
@@ -269,8 +283,8 @@ def _plain_codes_t(tiles: torch.Tensor | None, codes_t: torch.Tensor | None, n: 
 def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift: torch.Tensor | None,
                 codes_t: torch.Tensor | None, scales: torch.Tensor, bias: torch.Tensor | None,
                 row_kernels: bool = True) -> torch.Tensor:
-    """x [..., K] times int8 weights (laid out in tiles for `kernel` "amx" or "vnni", else codes_t [K, N]), each row
-    of x quantised to int8 on the way in; [..., N] in x's dtype."""
+    """x [..., K] times int8 weights (laid out in tiles for `kernel` "amx", "vnni" or "avx2", else codes_t [K, N]),
+    each row of x quantised to int8 on the way in; [..., N] in x's dtype."""
     n, in_features = scales.shape[0], x.shape[-1]
     flat = x.reshape(-1, in_features)
     flat = flat if flat.dtype == torch.float32 else flat.float()
@@ -284,7 +298,7 @@ def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift:
         rows, cols = flat.shape
         threads = torch.get_num_threads()
         out = torch.empty(rows, n)
-        if kernel == "amx" or (kernel == "vnni" and rows <= VNNI_ROWS):   # quantised and multiplied in one call
+        if kernel in WHOLE_TILE_KERNELS or (kernel == "vnni" and rows <= VNNI_ROWS):   # quantised, multiplied at once
             tile_matmul(lib, flat, kernel, tiles, shift, scales, out)
         else:
             codes = torch.empty(rows, cols, dtype=torch.int8)
@@ -303,10 +317,11 @@ def int8_matmul(x: torch.Tensor, kernel: str, tiles: torch.Tensor | None, shift:
 def tile_matmul(lib, flat: torch.Tensor, kernel: str, tiles: torch.Tensor, shift: torch.Tensor,
                 scales: torch.Tensor, out: torch.Tensor) -> None:
     """out [M, N] = float32 rows `flat` [M, K] (unit column stride) quantised and multiplied by tiled int8 weights
-    in one C call, by `kernel` ("amx" or "vnni") at any row count: int8_matmul's path up to VNNI_ROWS for VNNI."""
+    in one C call, by `kernel` ("amx", "vnni" or "avx2") at any row count: int8_matmul's path up to VNNI_ROWS for
+    VNNI."""
     rows, cols = flat.shape
     if lib.quantize_matmul_s8(flat.data_ptr(), rows, cols, flat.stride(0), scales.shape[0], tiles.data_ptr(),
-                              shift.data_ptr(), scales.data_ptr(), out.data_ptr(), kernel == "amx",
+                              shift.data_ptr(), scales.data_ptr(), out.data_ptr(), native.INT8_KERNEL_CODES[kernel],
                               torch.get_num_threads()) < 0:
         raise MemoryError(f"w8a8: no memory for the scratch of {rows} rows of {cols}")
 
@@ -325,14 +340,19 @@ def _(x, kernel, tiles, shift, codes_t, scales, bias, row_kernels):
 
 UNTILED = "torch._int_mm"   # w8a8 matmuls that no tile kernel takes
 VNNI_ROWS = 64   # beyond this many rows torch._int_mm (oneDNN) outruns the VNNI tiles (docs/BENCHMARKS.md)
+# Tile kernels that take every row count: AMX, and AVX2, which runs where oneDNN's int8 matmul has no VNNI and takes
+# several times float32's time (docs/BENCHMARKS.md, "w8a8 without VNNI").
+WHOLE_TILE_KERNELS = ("amx", "avx2")
 
 
 def _tile_kernel(k: int, n: int) -> str | None:
-    """The tile kernel for [N, K] codes here: "amx", "vnni" or None (shapes outside their tiles, or neither)."""
+    """The tile kernel for [N, K] codes here: "amx", "vnni", "avx2" or None (shapes outside their tiles, or none)."""
     kernels = native.int8_tile_kernels()
     if "amx" in kernels and k % 64 == 0 and n % 16 == 0:
         return "amx"
-    return "vnni" if "vnni" in kernels and k % 4 == 0 and n % 16 == 0 else None
+    if k % 4 or n % 16:
+        return None
+    return next((kernel for kernel in ("vnni", "avx2") if kernel in kernels), None)
 
 
 def _tiles(codes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -474,9 +494,12 @@ def quantize_model(model: nn.Module, weights: str, int4_source: Mapping[str, Int
     if param.device.type != "cpu":
         raise ValueError(f"WEIGHTS={weights} runs on the CPU only (torch's int4/int8 weight kernels are CPU "
                          f"kernels here); the model is on {param.device.type}. Use WEIGHTS=float32 and DTYPE there.")
-    if "w8a8" in (weights, head) and not native.has_vnni():
-        log.warning("WEIGHTS=w8a8 on a CPU that lists no VNNI instructions: oneDNN's int8 matmul is slower there, "
-                    "and may saturate its 16-bit partial sums; WEIGHTS=int4 or bfloat16 avoid it.")
+    if "bfloat16" in (weights, head) and bfloat16_refusal():
+        raise ValueError(bfloat16_refusal())
+    if "w8a8" in (weights, head) and not native.has_vnni() and "avx2" not in native.int8_tile_kernels():
+        log.warning("WEIGHTS=w8a8 on a CPU that lists no VNNI instructions, without the AVX2 tile kernel (no C "
+                    "compiler, or no AVX2): oneDNN's int8 matmul is slower there, and may saturate its 16-bit "
+                    "partial sums; WEIGHTS=int4 or float32 avoid it.")
     int4_source = int4_source or {}
     head_module = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(parent, name, child, f"{prefix}.{name}".lstrip(".")) for prefix, parent in model.named_modules()

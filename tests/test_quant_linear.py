@@ -155,7 +155,7 @@ def test_bad_weights_name_the_setting_and_the_choices(tiny_model_dir):
         load_model(str(tiny_model_dir), device="cuda", weights="int4")
 
 
-def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_and_float32_elsewhere(tiny_model_dir, monkeypatch):
+def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_or_avx2_tiles_and_float32_elsewhere(tiny_model_dir, monkeypatch):
     from worker import model_loader
     from worker.settings import WorkerSettings
 
@@ -167,6 +167,9 @@ def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_and_float32_elsewhere(t
     assert model_loader.pick_weights(cpu, None) == "float32"                           # the library's: as stored
     assert load_model(str(tiny_model_dir), weights="auto")[0].weights_report.weights == "w8a8"
     monkeypatch.setattr(native, "has_vnni", lambda: False)
+    monkeypatch.setattr(native, "int8_tile_kernels", lambda: frozenset({"avx2"}))
+    assert model_loader.pick_weights(cpu, "auto") == "w8a8"   # the AVX2 tile kernel, where oneDNN has no VNNI
+    monkeypatch.setattr(native, "int8_tile_kernels", lambda: frozenset())
     assert model_loader.pick_weights(cpu, "auto") == "float32"
     monkeypatch.delenv("WEIGHTS", raising=False)
     assert WorkerSettings().weights == "auto"

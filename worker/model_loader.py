@@ -152,12 +152,14 @@ AUTO = "auto"   # WEIGHTS unset in the worker and `make chat`: the measured best
 
 
 def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
-    """WEIGHTS=auto: w8a8 on a CPU that lists VNNI, running float32 (on the AMD EPYC machines measured, the fastest
-    precision at 16 and 48 slots, at half float32's memory, and closer to float32's answers than the GGUF's own
-    int4: docs/BENCHMARKS.md); float32 everywhere else, where w8a8 is unmeasured or does not run."""
+    """WEIGHTS=auto: w8a8 on a CPU that lists VNNI, or runs the AVX2 tile kernel, running float32 (on the AMD EPYC
+    machines measured, the fastest precision at 16 and 48 slots, at half float32's memory, and closer to float32's
+    answers than the GGUF's own int4; on an AVX2-only EPYC 2.3-2.7x float32's tokens/s: docs/BENCHMARKS.md);
+    float32 everywhere else, where w8a8 is unmeasured or would run on oneDNN's int8 matmul without VNNI."""
     from worker.engine import native
 
-    if device.type == "cpu" and dtype == torch.float32 and native.has_vnni():
+    if device.type == "cpu" and dtype == torch.float32 and (native.has_vnni() or
+                                                            "avx2" in native.int8_tile_kernels()):
         return "w8a8"
     return "float32"
 

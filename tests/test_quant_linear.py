@@ -155,7 +155,7 @@ def test_bad_weights_name_the_setting_and_the_choices(tiny_model_dir):
         load_model(str(tiny_model_dir), device="cuda", weights="int4")
 
 
-def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_or_avx2_tiles_and_float32_elsewhere(tiny_model_dir, monkeypatch):
+def test_auto_weights_is_w8a8_on_a_float32_cpu_with_vnni_or_avx2_tiles_else_float32(tiny_model_dir, monkeypatch):
     from worker import model_loader
     from worker.settings import WorkerSettings
 

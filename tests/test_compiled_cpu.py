@@ -14,8 +14,8 @@ from worker.engine import EngineConfig, LLMEngine, SamplingParams, native
 from worker.engine.weights.quantised import quantize_model
 from worker.model_loader import load_model
 
-pytestmark = pytest.mark.skipif(native.load() is None or not native.has_vnni(),
-                                reason="needs the C attention kernel and a CPU with VNNI (w8a8)")
+pytestmark = pytest.mark.skipif(native.load() is None or not native.int8_tile_kernels(),
+                                reason="needs the C attention kernel and a w8a8 tile kernel (AMX, VNNI or AVX2)")
 
 # One prompt of a single token arrives alone at the end: a step of one token (padded to two when compiled).
 PROMPTS = [1, 7, 40, 3, 12]

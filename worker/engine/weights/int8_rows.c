@@ -335,7 +335,8 @@ int quantize_matmul_s8(const float *x, int64_t rows, int64_t k, int64_t stride, 
     const size_t padded = (size_t)((rows + 15) / 16 * 16) * (size_t)k;
     int8_t *codes = aligned_alloc(64, (padded + 63) / 64 * 64);
     float *row_scales = aligned_alloc(64, ((size_t)rows * sizeof(float) + 63) / 64 * 64);
-    uint8_t *scratch = aligned_alloc(64, (2 * padded + 63) / 64 * 64);
+    const size_t scratch_bytes = kernel == 2 ? 2 * padded : padded;   /* AVX2: codes and their magnitudes */
+    uint8_t *scratch = aligned_alloc(64, (scratch_bytes + 63) / 64 * 64);
     int rc = -1;
     if (codes != NULL && row_scales != NULL && scratch != NULL) {
         quantize_rows_s8(x, rows, k, stride, codes, row_scales, threads);

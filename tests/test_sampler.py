@@ -14,6 +14,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from worker.engine import native
 from worker.engine import sampler as sampler_module
 from worker.engine.sampler import (CPU_CANDIDATES, Pending, Sampler, apply_processors, mix32, random_seed,
                                    seed_keys, uniforms)
@@ -437,6 +438,24 @@ def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.M
     assert taken, "peaked logits keep every nucleus among the candidates"
     full = Sampler(candidates=0)(logits, params, histories, seeds)
     assert torch.equal(fast, full)
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_row_sums_have_the_same_bits_alone_or_in_any_batch(kernel: str, two_threads,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """top-p's normaliser over a vocabulary-sized row: torch's sum splits a lone row between two threads (and only
+    a lone one), which gave a request alone other draws than in a batch, e.g. after a redelivery."""
+    if kernel == "c" and native.load_top_k() is None:
+        pytest.skip("no C compiler for top_k.c")
+    if kernel == "torch":
+        monkeypatch.setattr(sampler_module.native, "load_top_k", lambda: None)
+    weights = (random_logits(6, 49_157, seed=3) - 9.0).exp()
+    together = sampler_module.row_sums(weights)
+    assert together.shape == (6, 1)
+    torch.testing.assert_close(together.double(), weights.double().sum(dim=-1, keepdim=True), rtol=1e-5, atol=0)
+    for i in range(6):
+        assert torch.equal(sampler_module.row_sums(weights[i:i + 1]), together[i:i + 1]), i
+        assert torch.equal(sampler_module.row_sums(weights[i:]), together[i:]), i
 
 
 class OpCounter(TorchDispatchMode):

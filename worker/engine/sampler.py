@@ -461,8 +461,9 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
         mass = weights.cumsum(dim=-1)
         # Normaliser: the mass top-k kept (its last kept rank), or the whole row's without top-k.
         total = mass.gather(1, (rows.top_k.clamp(max=values.shape[1]) - 1))
-        if rows.any_top_p_without_top_k:
-            row_total = (scores - row_max).exp_().sum(dim=-1, keepdim=True)
+        if rows.any_top_p_without_top_k:   # a device sorts the whole row: its mass is then its last running sum
+            on_device = scores.device.type != "cpu" and width >= vocab
+            row_total = mass[:, -1:] if on_device else row_sums((scores - row_max).exp_())
             total = torch.where(rows.has_top_k, total, row_total)
         keep &= (mass - weights) < rows.top_p * total
     count = keep.sum(dim=-1, keepdim=True)
@@ -485,6 +486,18 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
                      torch.get_num_threads()) != 0:
         raise MemoryError(f"top-k: no memory for {k} entries a row")
     return values, indices
+
+
+def row_sums(x: torch.Tensor) -> torch.Tensor:
+    """Each row's sum [R, 1], the same bits whether the row comes alone or with others: a redelivered or preempted
+    request then draws what it drew before. On a CPU torch's sum splits a lone row between threads, and only a
+    lone one; top_k.c sums each row in one thread, and without it a running sum's last entry stands in."""
+    lib = native.load_top_k() if x.device.type == "cpu" and x.dtype == torch.float32 else None
+    if lib is None or x.dim() != 2 or x.stride(-1) != 1:
+        return x.cumsum(dim=-1)[:, -1:] if x.device.type == "cpu" else x.sum(dim=-1, keepdim=True)
+    out = torch.empty(x.shape[0], 1)
+    lib.row_sums_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
+    return out
 
 
 def min_p_floor(row_max: torch.Tensor, rows: RowParams) -> torch.Tensor | None:

@@ -2,7 +2,9 @@
  * of torch.topk's selection: the largest score of each block of 16 in a vectorised pass, the k-th largest of those by
  * quickselect, then only the scores at or above it through a heap. Equal scores rank the lower column first, so the
  * k kept are the same whatever the order they are met in. NaN scores are left out while the row has k numbers
- * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way. */
+ * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way.
+ *
+ * Also each row's sum (top-p's normaliser), in one order whatever rows or threads there are. */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -145,4 +147,25 @@ int top_k_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_
         free(tops);
     }
     return failed ? -1 : 0;
+}
+
+/* Each row's sum: BLOCK running sums over the row's columns in turn, the rest of the row after them, then the running
+ * sums added pairwise. A row is one thread's, so its bits are the same alone or among any other rows; torch's sum
+ * splits a lone row's columns between threads, and a sampled request's draw then depends on its batch. */
+void row_sums_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, float *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * stride;
+        float sums[BLOCK] = {0}, rest = 0.0f;
+        int64_t j = 0;
+        for (; j + BLOCK <= cols; j += BLOCK)
+            for (int l = 0; l < BLOCK; l++)
+                sums[l] += row[j + l];
+        for (; j < cols; j++)
+            rest += row[j];
+        for (int width = BLOCK / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++)
+                sums[l] += sums[l + width];
+        out[m] = sums[0] + rest;
+    }
 }

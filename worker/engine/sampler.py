@@ -461,9 +461,8 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
         mass = weights.cumsum(dim=-1)
         # Normaliser: the mass top-k kept (its last kept rank), or the whole row's without top-k.
         total = mass.gather(1, (rows.top_k.clamp(max=values.shape[1]) - 1))
-        if rows.any_top_p_without_top_k:   # a device sorts the whole row: its mass is then its last running sum
-            on_device = scores.device.type != "cpu" and width >= vocab
-            row_total = mass[:, -1:] if on_device else row_sums((scores - row_max).exp_())
+        if rows.any_top_p_without_top_k:
+            row_total = row_sums((scores - row_max).exp_())
             total = torch.where(rows.has_top_k, total, row_total)
         keep &= (mass - weights) < rows.top_p * total
     count = keep.sum(dim=-1, keepdim=True)
@@ -489,9 +488,10 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def row_sums(x: torch.Tensor) -> torch.Tensor:
-    """Each row's sum [R, 1], the same bits whether the row comes alone or with others: a redelivered or preempted
-    request then draws what it drew before. On a CPU torch's sum splits a lone row between threads, and only a
-    lone one; top_k.c sums each row in one thread, and without it a running sum's last entry stands in."""
+    """Each row's sum [R, 1], the same bits whether the row comes alone or with others: a request left alone (the
+    last one running, or answered again after a redelivery) draws what it would beside others. On a CPU torch's sum splits a lone row between threads, and only a
+    lone one; top_k.c sums each row in one thread, and without it a running sum's last entry stands in. A device
+    keeps torch's sum (its matmuls do not promise a row the same bits in every batch either)."""
     lib = native.load_top_k() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if lib is None or x.dim() != 2 or x.stride(-1) != 1:
         return x.cumsum(dim=-1)[:, -1:] if x.device.type == "cpu" else x.sum(dim=-1, keepdim=True)

@@ -489,9 +489,10 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def row_sums(x: torch.Tensor) -> torch.Tensor:
     """Each row's sum [R, 1], the same bits whether the row comes alone or with others: a request left alone (the
-    last one running, or answered again after a redelivery) draws what it would beside others. On a CPU torch's sum splits a lone row between threads, and only a
-    lone one; top_k.c sums each row in one thread, and without it a running sum's last entry stands in. A device
-    keeps torch's sum (its matmuls do not promise a row the same bits in every batch either)."""
+    last one running, or answered again after a redelivery) draws what it would beside others. On a CPU torch's
+    sum splits a lone row between threads, and only a lone one; top_k.c sums each row in one thread, and without it
+    a running sum's last entry stands in. A device keeps torch's sum (its matmuls do not promise a row the same
+    bits in every batch either)."""
     lib = native.load_top_k() if x.device.type == "cpu" and x.dtype == torch.float32 else None
     if lib is None or x.dim() != 2 or x.stride(-1) != 1:
         return x.cumsum(dim=-1)[:, -1:] if x.device.type == "cpu" else x.sum(dim=-1, keepdim=True)

@@ -16,6 +16,7 @@ import redis
 import requests
 import socketio
 
+from bench.socketio_client import InOrderClient
 from models import RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
 from worker.local_redis import free_port, start_redis
@@ -178,7 +179,7 @@ class _Customer:
         self.ttft: float | None = None
         self.result: dict = {}
         self.finished = threading.Event()
-        self.sio = socketio.Client(http_session=self.http, reconnection=False)
+        self.sio = InOrderClient(http_session=self.http, reconnection=False)
         self.sio.on("token", self._token)
         self.sio.on("done", self._done)
         self.sio.on("error", self._error)

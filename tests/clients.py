@@ -9,6 +9,8 @@ import time
 import requests
 import socketio
 
+from bench.socketio_client import InOrderClient
+
 
 class ChatClient:
     """A browser stand-in: the session cookie from the page, then a websocket Socket.IO connection."""
@@ -18,7 +20,7 @@ class ChatClient:
         self.http.get(url + "/").raise_for_status()
         self.events: queue.Queue = queue.Queue()
         self.finished: set[str] = set()
-        self.sio = socketio.Client(http_session=self.http, reconnection=False)
+        self.sio = InOrderClient(http_session=self.http, reconnection=False)
         for name in ("accepted", "token", "done", "error"):
             self.sio.on(name, lambda data, name=name: self.events.put((name, data)))
         self.sio.connect(url, transports=["websocket"], wait_timeout=10)

@@ -10,8 +10,9 @@ import pytest
 import redis
 import requests
 
+from bench.socketio_client import InOrderClient
 from models import Message, RequestRecord
-from tests.clients import ChatClient
+from tests.clients import ChatClient, disconnect
 
 
 @pytest.fixture()
@@ -34,6 +35,34 @@ def test_a_message_streams_tokens_then_done_and_is_recorded(client, db):
         assert record.worker and record.model and record.batch_size >= 1
         answer = s.query(Message).filter_by(request_id=done["request_id"]).one()
         assert answer.role == "assistant" and answer.content == done["text"]
+
+
+def test_the_python_clients_see_a_connections_events_in_the_order_sent(stack):
+    """As a browser does. The stock python-socketio client hands each message to a thread of its own, so two deltas
+    that arrive together could reach the handlers swapped (a test then read another text than `done`'s)."""
+    seen: list[tuple[str, str, dict]] = []
+    finished = threading.Event()
+    http = requests.Session()
+    http.get(stack.web_urls[0] + "/").raise_for_status()
+    sio = InOrderClient(http_session=http, reconnection=False)
+    for name in ("accepted", "token", "done", "error"):
+        sio.on(name, lambda data, name=name: (seen.append((name, threading.current_thread().name, data)),
+                                              name in ("done", "error") and finished.set()))
+    sio.connect(stack.web_urls[0], transports=["websocket"], wait_timeout=10)
+    try:
+        sio.emit("chat_message", {"text": "Tell me everything about your return policy."})
+        assert finished.wait(120), seen[-3:]
+    finally:
+        disconnect(sio)
+    names = [name for name, _, _ in seen]
+    assert names[0] == "accepted" and names[-1] == "done" and "token" in names, seen[-1]
+    assert len({thread for _, thread, _ in seen}) == 1, "every event on the one reading thread, in turn"
+    text = ""
+    for name, _, data in seen:
+        if name == "token":
+            assert data["offset"] == len(text), (data, len(text))
+            text += data["text"]
+    assert text == seen[-1][2]["text"]
 
 
 def test_a_message_may_ask_for_a_shorter_answer(client, db):

@@ -15,9 +15,9 @@ from datetime import UTC, datetime
 import pytest
 import redis
 import requests
-import socketio
 from sqlalchemy import make_url, text
 
+from bench.socketio_client import InOrderClient
 from models import Message, RequestRecord
 from models.db import make_engine, make_session_factory, upgrade
 from tests.clients import disconnect
@@ -47,7 +47,7 @@ class Customer:
         self.events: queue.Queue = queue.Queue()
         self.conversation_id: str | None = None
         self.reconnects = 0
-        self.sio = socketio.Client(http_session=self.http, reconnection=reconnection, reconnection_delay=0.5,
+        self.sio = InOrderClient(http_session=self.http, reconnection=reconnection, reconnection_delay=0.5,
                                    reconnection_delay_max=1, randomization_factor=0)
         for name in ("accepted", "token", "done", "error"):
             self.sio.on(name, lambda data, name=name: self.events.put((name, data)))

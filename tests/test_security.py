@@ -12,6 +12,7 @@ import redis
 import requests
 import socketio
 
+from bench.socketio_client import InOrderClient
 from models import Message, RequestRecord
 from models.db import upgrade
 from tests import audit
@@ -359,7 +360,7 @@ class Customer(ChatClient):
         self.http.headers["X-Forwarded-For"] = address
         self.http.get(url + "/").raise_for_status()
         self.events = queue.Queue()
-        self.sio = socketio.Client(http_session=self.http, reconnection=False)
+        self.sio = InOrderClient(http_session=self.http, reconnection=False)
         for name in ("accepted", "token", "done", "error"):
             self.sio.on(name, lambda data, name=name: self.events.put((name, data)))
         self.sio.connect(url, transports=["websocket"], headers={"X-Forwarded-For": address}, wait_timeout=10)

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import requests
 import socketio
 
+from bench.socketio_client import InOrderClient
+
 SOCKET_EVENTS = ("accepted", "token", "done", "error")
 # Chat refusals that every later message would get too: the run stops and says what to change.
 FATAL_CODES = ("invalid_value", "bad_request")
@@ -91,7 +93,7 @@ class SocketCustomer:
 
     def _connect(self) -> None:
         self.http.get(self.url + "/", timeout=10)
-        sio = socketio.Client(http_session=self.http, reconnection=False)
+        sio = InOrderClient(http_session=self.http, reconnection=False)
         for name in SOCKET_EVENTS:
             sio.on(name, lambda data, name=name: self.events.put((name, data if isinstance(data, dict) else {})))
         sio.on("disconnect", lambda *_: self.events.put(("disconnect", {})))

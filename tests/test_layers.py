@@ -34,6 +34,9 @@ def test_the_engine_imports_no_queue_web_or_sql_module():
                            f"[sys.modules.pop(n) for n in {BANNED_IN_ENGINE!r}]")
     for banned in BANNED_IN_ENGINE:
         assert banned not in loaded, banned
+    # Nor does it load torch's compiler: a dependency that runs torch.compile as it is imported costs every
+    # process that imports the engine seconds (a worker's start, each test process) before anything compiles.
+    assert "torch._inductor.compile_fx" not in loaded
 
 
 def test_no_engine_module_names_a_queue_web_or_sql_package():

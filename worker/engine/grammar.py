@@ -7,7 +7,7 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 
 from structured import Structure, StructureError
@@ -81,11 +81,14 @@ class Grammars:
     def masks(self, matchers: list[llguidance.LLMatcher | None], device: torch.device) -> GrammarMasks:
         """Allowed tokens for each row with a matcher (every row's last token must have been consumed)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
-        bits = llguidance.torch.allocate_token_bitmask(len(rows), self.lltokenizer.vocab_size)
+        # llguidance.numpy's, not llguidance.torch's: that module runs torch.compile as it is imported (dynamo and
+        # inductor, 4.7 s of every process that imports the engine). Pinned on CUDA, for a copy that does not wait.
+        bits = torch.full(llguidance.numpy.get_bitmask_shape(len(rows), self.lltokenizer.vocab_size), -1,
+                          dtype=torch.int32, pin_memory=device.type == "cuda")
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        llguidance.torch.fill_next_token_bitmask_par(self._executor, [(matchers[r], j) for j, r in enumerate(rows)],
-                                                     bits)
+        llguidance.numpy.fill_next_token_bitmask_par(self._executor, [(matchers[r], j) for j, r in enumerate(rows)],
+                                                     bits.numpy())
         return GrammarMasks(
             rows=upload(rows, torch.int64, device),
             bits=bits.to(device, non_blocking=True),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import queue
 import threading
@@ -204,7 +205,7 @@ def test_greedy_matches_generate_on_the_kernels_attention_on_the_real_model_at_e
     the kernel's arithmetic leaves the engine's own work to differ: packing beside other requests arriving
     mid-decode, chunked prefill, a cached shared prefix, paging. None of it may change a token."""
     model, tok = load_model(weights=weights)
-    ref = load_model(weights=weights)[0]
+    ref = copy.deepcopy(model)   # before the engine takes the model over; seconds quicker than loading it again
     attention.register()
     ref.set_attn_implementation(attention.KERNEL_REFERENCE)
     FusedLayers(ref, reference=True)   # the layers' elementwise work in the same C kernels as the engine's

@@ -43,10 +43,11 @@ audit: install
 	$(PY) -m tests.audit $(AUDIT_IGNORE)
 
 # Two pytest workers: most of the suite waits on processes it started (stacks, Redis, a browser), so two share
-# two cores well. A test module stays on one worker, with its module fixtures. TEST_WORKERS=0 runs it serially.
+# two cores well. A test module stays on one worker, with its module fixtures; the slowest modules go first
+# (tests/conftest.py's SLOWEST_FIRST), so the workers end together. TEST_WORKERS=0 runs it serially.
 TEST_WORKERS ?= 2
 test: install audit browser compose-tool
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # What bench/gpu_bench.sh needs on a CUDA machine without a package registry: the pinned pure-Python and
 # abi3 wheels transformers needs, and the default model's tokenizer (about 25 MB). Copy .gpu-kit there with

@@ -98,7 +98,14 @@ def tiny(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def real_model():
+    """The default model in float32, as `generate` is checked against on SDPA."""
     return load_model()
+
+
+@pytest.fixture(scope="session")
+def served_model():
+    """The default model as the worker serves it: WEIGHTS=auto, the settings' default."""
+    return load_model(weights="auto")
 
 
 DEFAULT_PG_ADMIN_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"

@@ -124,12 +124,12 @@ def test_an_unknown_service_class_is_refused_naming_the_classes(tiny):
 
 
 @pytest.mark.real_model
-def test_preempted_bulk_answers_equal_their_answers_alone_on_the_real_default_model(real_model):
+def test_preempted_bulk_answers_equal_their_answers_alone_on_the_real_default_model(served_model):
     """The default model as the worker serves it (WEIGHTS=auto): three bulk requests fill every slot, a chat
     arrives mid-decode and preempts one; every answer equals the same request's answer in an engine of its own."""
     from tests.test_engine import QUESTIONS, chat_ids
 
-    model, tok = real_model
+    model, tok = served_model
     config = EngineConfig(max_num_seqs=3, max_num_batched_tokens=64, bulk_token_share=0.0)
     prompts = {f"bulk{i}": chat_ids(tok, QUESTIONS[i]) for i in range(3)} | {"chat": chat_ids(tok, QUESTIONS[3])}
     caps = {"bulk0": 40, "bulk1": 40, "bulk2": 40, "chat": 16}

@@ -29,7 +29,7 @@ from typing import Literal
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -172,8 +172,8 @@ def compile_llguidance(tokenizer, vocab: int, repeats: int) -> dict:
             module._grammar.cache_clear()   # the grammar text too: a schema never seen
             text = structure.grammar()
             matcher = llguidance.LLMatcher(lltok, text, log_level=0)
-            mask = llguidance.torch.allocate_token_bitmask(1, lltok.vocab_size)
-            llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
+            mask = llguidance.numpy.allocate_token_bitmask(1, lltok.vocab_size)
+            llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
             return matcher
         cold_s, matcher = timed(cold, repeats)
         grammars = Grammars(tokenizer, {tokenizer.eos_token_id}, vocab)
@@ -265,7 +265,7 @@ def mask_walk(tokenizer, vocab: int, rows: int, steps: int, xgr=None) -> dict:
     lltok = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab)
     executor = llguidance.LLExecutor()
     matchers = [llguidance.LLMatcher(lltok, structure.grammar(), log_level=0) for _ in range(rows)]
-    bits = llguidance.torch.allocate_token_bitmask(rows, lltok.vocab_size)
+    bits = torch.full(llguidance.numpy.get_bitmask_shape(rows, lltok.vocab_size), -1, dtype=torch.int32)
 
     def walk(fill, consume) -> list[float]:
         generator = torch.Generator().manual_seed(0)
@@ -282,8 +282,8 @@ def mask_walk(tokenizer, vocab: int, rows: int, steps: int, xgr=None) -> dict:
             consume(scores.argmax(dim=-1).tolist())
         return times
 
-    ll = walk(lambda: llguidance.torch.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)],
-                                                                    bits),
+    ll = walk(lambda: llguidance.numpy.fill_next_token_bitmask_par(executor, [(m, i) for i, m in enumerate(matchers)],
+                                                                    bits.numpy()),
               lambda tokens: [m.consume_token(t) for m, t in zip(matchers, tokens)])
     out["llguidance_ms"] = {"mean": statistics.mean(ll) * 1e3, "p50": statistics.median(ll) * 1e3,
                             "max": max(ll) * 1e3}

@@ -6,7 +6,7 @@ import json
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import llguidance.numpy
 import pytest
 import torch
 
@@ -22,16 +22,16 @@ def generate(tokenizer, structure: Structure, seed: int, limit: int = 200, prefi
     model is taken to have written first (it must fit the grammar too)."""
     lltok = llguidance.hf.from_tokenizer(tokenizer)
     matcher = llguidance.LLMatcher(lltok, structure.grammar())
-    mask = llguidance.torch.allocate_token_bitmask(1, lltok.vocab_size)
+    mask = llguidance.numpy.allocate_token_bitmask(1, lltok.vocab_size)
     generator = torch.Generator().manual_seed(seed)
     ids: list[int] = tokenizer.encode(prefix, add_special_tokens=False) if prefix else []
     assert matcher.consume_tokens(ids), "the grammar refuses the prefix"
     for _ in range(limit):
         if matcher.is_stopped():
             break
-        llguidance.torch.fill_next_token_bitmask(matcher, mask, 0)
-        logits = torch.randn(1, lltok.vocab_size, generator=generator)
-        llguidance.torch.apply_token_bitmask_inplace(logits, mask)
+        llguidance.numpy.fill_next_token_bitmask(matcher, mask, 0)
+        logits = torch.randn(1, lltok.vocab_size, generator=generator).numpy()
+        llguidance.numpy.apply_token_bitmask_inplace(logits, mask)
         token = int(logits.argmax())
         if token == tokenizer.eos_token_id:
             assert matcher.is_accepting()

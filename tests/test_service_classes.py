@@ -4,7 +4,6 @@ unchanged, bulk never starved."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
 from worker.engine.sequence import SERVICE_CLASSES

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import platform
 import random
+import subprocess
 
 import pytest
 import torch
@@ -61,9 +63,10 @@ def dense_reference(q, spans, history, heads, kv_heads):
 
 
 SHAPES = [(4, 2, 16, 4), (9, 3, 64, 16), (6, 6, 8, 1)]   # heads, kv_heads, head_dim, block_size
-# The C kernel's register layouts (on AVX-512): head sizes of 4 and 8 registers fixed at compile time, others
-# (16, 32) by a loop; head sizes that are not a multiple of 16 (8) take the portable path.
-KERNEL_SHAPES = [*SHAPES, (8, 2, 128, 16), (6, 3, 32, 8)]
+# The C kernel's register layouts: on AVX-512 head sizes of 4 and 8 registers fixed at compile time, others (16, 32)
+# by a loop, and sizes that are not a multiple of 16 (8, 24) take the portable path; on AVX2 every multiple of 8
+# (24: a last slab of three registers); 12 is the portable path's everywhere.
+KERNEL_SHAPES = [*SHAPES, (8, 2, 128, 16), (6, 3, 32, 8), (4, 2, 24, 4), (4, 2, 12, 4)]
 COMPILED = ("gather-in-place", "flex")   # FlexAttention: each shape is a compile of its own (seconds on CPU)
 
 
@@ -105,7 +108,7 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
 def test_the_kernel_over_a_float16_pool_computes_the_float32_kernel_over_the_rows_rounded(heads, kv_heads, head_dim,
                                                                                          block_size, two_threads):
     """A float16 pool holds each new row rounded to nearest (torch's .half()), and attending over it is the float32
-    kernel's arithmetic over those rounded rows, to the bit (head size 8: the portable path; the rest AVX-512's)."""
+    kernel's arithmetic over those rounded rows, to the bit (on the portable path and the vector paths alike)."""
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
     kv16 = kv.half()
     outs = []
@@ -122,6 +125,31 @@ def test_the_kernel_over_a_float16_pool_computes_the_float32_kernel_over_the_row
     assert not kv16[:, 0].any()
     full = dense_reference(q, spans, history, heads, kv_heads)
     torch.testing.assert_close(outs[0][0], full, atol=5e-3, rtol=5e-3)   # within float16's rounding of the rows
+
+
+@needs_kernel
+def test_the_kernel_builds_the_widest_vector_path_this_cpu_has():
+    flags = set(native._cpu_identity().split())
+    expected = ("avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma", "f16c"} <= flags else "portable")
+    assert native.attention_path() == expected
+    assert native.attention_path(("-DPAGED_PORTABLE",)) == "portable"
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or native._compiler() is None, reason="x86-64 and a C compiler")
+@pytest.mark.parametrize("march,path", [("skylake-avx512", "avx512"), ("haswell", "avx2"), ("x86-64", "portable")])
+def test_each_vector_path_of_the_kernel_builds_for_its_cpu_whatever_this_one_has(march, path, tmp_path):
+    """This CPU runs one of the kernel's paths; the others must still compile for the CPUs that take them."""
+    source = native.SOURCE.read_text() + "\nint main(void) { return paged_attention_path(); }\n"
+    (tmp_path / "kernel.c").write_text(source)
+    build = subprocess.run([native._compiler(), "-O1", f"-march={march}", "-fopenmp", str(tmp_path / "kernel.c"),
+                            "-o", str(tmp_path / "kernel"), "-lm"], capture_output=True, text=True, timeout=120)
+    assert build.returncode == 0, build.stderr[-2000:]
+    assert "warning" not in build.stderr, build.stderr[-2000:]
+    flags = set(native._cpu_identity().split())
+    runs_here = {"avx512": "avx512f" in flags, "avx2": {"avx2", "fma", "f16c"} <= flags, "portable": True}[path]
+    if runs_here:   # the binary says which path it was built with
+        code = subprocess.run([str(tmp_path / "kernel")]).returncode
+        assert native.ATTENTION_PATHS[code] == path
 
 
 def test_backend_choice_follows_the_config_then_the_device(monkeypatch):

@@ -378,9 +378,10 @@ def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64
     assert [(r["shape"], r["context"], r["pool"]) for r in rows] == [
         (name, context, pool) for name, *_ in attention_kernel.SHAPES for context in (20, 40, 32)
         for pool in ("float32", "float16")]
+    assert result["path"] == native.attention_path()
     for row in rows:
-        assert row["err_portable"] < 1e-5 and row["err_avx512"] < 1e-5
-        assert row["portable_us"] > 0 and row["avx512_us"] > 0
+        assert row["err_portable"] < 1e-5 and row["err_vector"] < 1e-5
+        assert row["portable_us"] > 0 and row["vector_us"] > 0
         assert ("f32_over_f16" in row) == (row["pool"] == "float16")
     with pytest.raises(SystemExit, match="unknown pool dtype 'bfloat16'"):
         attention_kernel.main(["--pools", "float32,bfloat16"])

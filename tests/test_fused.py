@@ -250,7 +250,8 @@ def test_a_float16_pool_answers_as_generate_over_its_cache_rounded_to_float16(la
     model, tok = loaded()
     engine = engine_for(model, tok, kv_cache_dtype="float16", fused_layers=layers != "own")
     assert engine.runner.kv.dtype == torch.float16
-    assert engine.runner.describe_steps().startswith("attention kernel over a float16 KV pool;")
+    path = native.attention_path()
+    assert engine.runner.describe_steps().startswith(f"attention kernel ({path} path) over a float16 KV pool;")
     fused = engine.runner.fused
     assert (fused is not None) == (layers != "own")
     if fused is not None:

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from . import attention, sizing
+from . import attention, native, sizing
 from .attention import flex
 from .attention import Span
 from .block_tables import RowOrder
@@ -212,6 +212,8 @@ class ModelRunner:
         """How steps run: the attention backend (and the KV pool's dtype where it is not the model's), overlapped or
         not, and decode graphs (captured, buckets only, or none)."""
         line = f"attention {self.attention_backend}"
+        if self.attention_backend == "kernel":
+            line += f" ({native.attention_path()} path)"
         if self.kv_dtype != self.dtype:
             line += f" over a {str(self.kv_dtype).removeprefix('torch.')} KV pool"
         if self.attention_backend == "gather" and self.paged is not None:

@@ -77,12 +77,24 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+ATTENTION_PATHS = {0: "portable", 1: "avx2", 2: "avx512"}   # paged_attention_path()'s codes
+
+
 @cache
 def load(flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled paged-attention kernel, or None (logged) when there is no compiler or the build fails."""
     return _declared(_build(SOURCE, "paged-attention kernel", "falling back to gathering the context", flags),
-                     {"paged_attention_f32": ARGTYPES, "paged_attention_f16kv": ARGTYPES},   # a float32, float16 pool
-                     {"paged_attention_f32": ctypes.c_int, "paged_attention_f16kv": ctypes.c_int})
+                     {"paged_attention_f32": ARGTYPES, "paged_attention_f16kv": ARGTYPES,   # a float32, float16 pool
+                      "paged_attention_path": []},
+                     {"paged_attention_f32": ctypes.c_int, "paged_attention_f16kv": ctypes.c_int,
+                      "paged_attention_path": ctypes.c_int})
+
+
+def attention_path(flags: tuple[str, ...] = ()) -> str | None:
+    """The vector path the attention kernel was built with on this CPU ("avx512", "avx2" or "portable"), or None
+    without the kernel. Head sizes a path cannot take run the portable loops."""
+    lib = load(flags)
+    return None if lib is None else ATTENTION_PATHS[lib.paged_attention_path()]
 
 
 @cache

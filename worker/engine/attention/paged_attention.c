@@ -7,6 +7,8 @@
  *
  * Pool layout per layer: [kv_heads, num_blocks, block_size, head_dim], contiguous.
  * Query heads that share a KV head are handled together, so each K/V row is read once for them.
+ * Three paths, chosen when the library is built: AVX-512 (head sizes a multiple of 16), AVX2 with FMA and F16C (a
+ * multiple of 8, at most 256), and the portable loops for the rest (or everything, with -DPAGED_PORTABLE).
  * A float16 pool (paged_attention_f16kv) holds each new K/V row rounded to nearest, as torch's .half() does, and is
  * read back to float32; all arithmetic is float32 either way, so its results are the float32 kernel's on those rows.
  */
@@ -17,12 +19,18 @@
 #if defined(__AVX512F__) && !defined(PAGED_PORTABLE)   /* PAGED_PORTABLE: the portable path only */
 #define PAGED_AVX512 1
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(PAGED_PORTABLE)
+#define PAGED_AVX2 1
+#include <immintrin.h>
 #endif
 
 #define TILE_ROWS 8      /* query rows of one sequence attended together */
 #define MAX_GROUP 16     /* query heads per KV head */
 #define LANES 16         /* floats in an AVX-512 register */
 #define PV_QUERIES 4     /* queries whose outputs the AVX-512 path accumulates in registers together */
+#define LANES8 8         /* floats in an AVX2 register */
+#define MAX_CHUNKS8 32   /* the AVX2 path's largest head size, in registers: 256 */
+#define KEY_BLOCK 128    /* keys the AVX2 path reads from memory once for every query of a tile */
 
 typedef _Float16 half;   /* the float16 pool's element */
 
@@ -272,6 +280,187 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
 }
 #endif
 
+#ifdef PAGED_AVX2
+/* Four dot products at once, each half summed: lanes 0-3 of the result are the sums of lanes 0-3 of a0..a3, lanes
+ * 4-7 those of their lanes 4-7 (a fixed tree of shuffles). */
+static inline __m256 sum4_halves(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 b01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
+    const __m256 b23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
+    return _mm256_add_ps(_mm256_shuffle_ps(b01, b23, 0x44), _mm256_shuffle_ps(b01, b23, 0xEE));
+}
+
+/* Eight float16 values from p on, as floats. */
+static inline __m256 load_half8(const half *p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+}
+
+/* Eight floats of a pool row from element i on, of either type. */
+static inline __attribute__((always_inline)) __m256 load_kv8(const void *pool, int64_t i, const int half_kv) {
+    return half_kv ? load_half8((const half *)pool + i) : _mm256_loadu_ps((const float *)pool + i);
+}
+
+/* exp16's polynomial, eight lanes at a time, for x <= 0; 2^n is built in the exponent field (n >= -126 here). */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.33654f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static inline float hmax8(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* Eight keys' scores for one query: eight dot products in chunk order, then one tree of shuffles (lane t of the
+ * result is key t's). The keys' rows are at pool + at[0..7]. */
+static inline __attribute__((always_inline)) __m256 scores8(const int chunks, const float *q, const void *pool,
+                                                            const int64_t *at, const int half_kv) {
+    __m256 acc[LANES8];
+    for (int t = 0; t < LANES8; t++) acc[t] = _mm256_setzero_ps();
+    for (int c = 0; c < chunks; c++) {
+        const __m256 qc = _mm256_loadu_ps(q + c * LANES8);
+        for (int t = 0; t < LANES8; t++)
+            acc[t] = _mm256_fmadd_ps(qc, load_kv8(pool, at[t] + c * LANES8, half_kv), acc[t]);
+    }
+    const __m256 lo = sum4_halves(acc[0], acc[1], acc[2], acc[3]), hi = sum4_halves(acc[4], acc[5], acc[6], acc[7]);
+    return _mm256_add_ps(_mm256_permute2f128_ps(lo, hi, 0x20), _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
+/* Two queries' outputs over keys j0..j1-1, `width` chunks of them from chunk c0 on: sums carried in `acc` (rows
+ * a0 and a1, which may be the same row; its second sum then stores the first's) from block to block of keys. */
+static inline __attribute__((always_inline)) void values_pair(
+        const int width, const void *pool, const int64_t *row_at, const int half_kv, const float *s0, const float *s1,
+        int j0, int j1, int c0, float *a0, float *a1) {
+    __m256 sum0[4], sum1[4];
+    for (int c = 0; c < width; c++) {
+        sum0[c] = _mm256_loadu_ps(a0 + (c0 + c) * LANES8);
+        sum1[c] = _mm256_loadu_ps(a1 + (c0 + c) * LANES8);
+    }
+    for (int j = j0; j < j1; j++) {
+        const __m256 p0 = _mm256_broadcast_ss(s0 + j), p1 = _mm256_broadcast_ss(s1 + j);
+        for (int c = 0; c < width; c++) {
+            const __m256 vc = load_kv8(pool, row_at[j] + (c0 + c) * LANES8, half_kv);
+            sum0[c] = _mm256_fmadd_ps(p0, vc, sum0[c]);
+            sum1[c] = _mm256_fmadd_ps(p1, vc, sum1[c]);
+        }
+    }
+    for (int c = 0; c < width; c++) {
+        _mm256_storeu_ps(a1 + (c0 + c) * LANES8, sum1[c]);
+        _mm256_storeu_ps(a0 + (c0 + c) * LANES8, sum0[c]);
+    }
+}
+
+/* attend_tile for a head size that is a multiple of 8 (at most 256), in AVX2's sixteen registers: a query's scores
+ * eight keys at a time (scores8), outputs two queries and 32 of their dimensions at a time, so a value row's
+ * chunk is loaded once for both; keys and values in blocks of KEY_BLOCK, read from memory once for every query of
+ * the tile. As in the other paths, a query's scores and output are computed the same way whichever rows share its
+ * tile. */
+static inline __attribute__((always_inline)) void attend_tile_avx2(
+        const int chunks, const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
+        const int half_kv, int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table,
+        const int32_t *row_pos, int t0, int rows, int kvh, float scale, float *out, int64_t o_tok, int64_t o_head,
+        float *scores, float *acc, int64_t *row_at) {
+    const int n = rows * group;
+    const int ctx = row_pos[t0 + rows - 1] + 1;
+    const int stride = (ctx + LANES8 - 1) / LANES8 * LANES8;   /* a query's scores, padded to whole runs of keys */
+    const int64_t head_base = (int64_t)kvh * num_blocks * block_size;
+    /* Each key's row in the pool, block by block; the last run's keys past the context read key 0's row, and are
+     * masked. */
+    int j = 0;
+    for (int blk = 0; j < ctx; blk++) {
+        const int64_t first = (head_base + (int64_t)table[blk] * block_size) * head_dim;
+        for (int o = 0; o < block_size && j < ctx; o++, j++) row_at[j] = first + (int64_t)o * head_dim;
+    }
+    for (; j < stride; j++) row_at[j] = row_at[0];
+    int limit[TILE_ROWS * MAX_GROUP];
+    const float *qp[TILE_ROWS * MAX_GROUP];
+    for (int r = 0; r < rows; r++) {
+        for (int g = 0; g < group; g++) {
+            qp[r * group + g] = q + (int64_t)(t0 + r) * q_tok + (int64_t)(kvh * group + g) * q_head;
+            limit[r * group + g] = row_pos[t0 + r] + 1;
+        }
+    }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int k0 = 0; k0 < ctx; k0 += KEY_BLOCK) {
+        for (int i = 0; i < n; i++) {
+            const int runs = (limit[i] + LANES8 - 1) / LANES8, block_end = (k0 + KEY_BLOCK) / LANES8;
+            for (int b = k0 / LANES8; b < (runs < block_end ? runs : block_end); b++)
+                _mm256_storeu_ps(scores + (int64_t)i * stride + b * LANES8,
+                                 _mm256_mul_ps(scores8(chunks, qp[i], k_cache, row_at + b * LANES8, half_kv), vscale));
+        }
+    }
+    float inv_sum[TILE_ROWS * MAX_GROUP];
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int i = 0; i < n; i++) {
+        float *s = scores + (int64_t)i * stride;
+        const int m = limit[i];
+        const int whole = m / LANES8 * LANES8;
+        const __m256 tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(m - whole), lane));
+        __m256 vmax = _mm256_set1_ps(-INFINITY);
+        for (int j = 0; j < whole; j += LANES8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + j));
+        if (m > whole)
+            vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), _mm256_loadu_ps(s + whole), tail));
+        const __m256 mx = _mm256_set1_ps(hmax8(vmax));
+        __m256 vsum = _mm256_setzero_ps();
+        for (int j = 0; j < whole; j += LANES8) {
+            const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mx));
+            _mm256_storeu_ps(s + j, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        if (m > whole) {   /* the last run's keys past this query's position weigh nothing */
+            const __m256 e = _mm256_and_ps(tail, exp8(_mm256_sub_ps(_mm256_loadu_ps(s + whole), mx)));
+            _mm256_storeu_ps(s + whole, e);
+            vsum = _mm256_add_ps(vsum, e);
+        }
+        for (int j = m > whole ? whole + LANES8 : whole; j < ctx; j++) s[j] = 0.f;
+        inv_sum[i] = 1.f / hsum8(vsum);
+    }
+    memset(acc, 0, sizeof(float) * n * head_dim);
+    for (int k0 = 0; k0 < ctx; k0 += KEY_BLOCK) {
+        for (int i0 = 0; i0 < n; i0 += 2) {   /* a lone last query is its own pair */
+            const int i1 = i0 + 1 < n ? i0 + 1 : i0;
+            const int last = limit[i0] > limit[i1] ? limit[i0] : limit[i1];
+            const int j1 = last < k0 + KEY_BLOCK ? last : k0 + KEY_BLOCK;
+            const float *s0 = scores + (int64_t)i0 * stride, *s1 = scores + (int64_t)i1 * stride;
+            float *a0 = acc + (int64_t)i0 * head_dim, *a1 = acc + (int64_t)i1 * head_dim;
+            int c0 = 0;
+            for (; c0 + 4 <= chunks; c0 += 4) values_pair(4, v_cache, row_at, half_kv, s0, s1, k0, j1, c0, a0, a1);
+            switch (chunks - c0) {
+                case 3: values_pair(3, v_cache, row_at, half_kv, s0, s1, k0, j1, c0, a0, a1); break;
+                case 2: values_pair(2, v_cache, row_at, half_kv, s0, s1, k0, j1, c0, a0, a1); break;
+                case 1: values_pair(1, v_cache, row_at, half_kv, s0, s1, k0, j1, c0, a0, a1); break;
+            }
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        const int r = i / group, h = i % group;
+        float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + h) * o_head;
+        const float *a = acc + (int64_t)i * head_dim;
+        const __m256 w = _mm256_set1_ps(inv_sum[i]);
+        for (int c = 0; c < chunks; c++)
+            _mm256_storeu_ps(o + c * LANES8, _mm256_mul_ps(_mm256_loadu_ps(a + c * LANES8), w));
+    }
+}
+#endif
+
 /* One call's arguments (the exported functions' parameters), as every thread reads them. */
 typedef struct {
     const float *q, *k, *v;
@@ -294,8 +483,10 @@ typedef struct {
 static inline __attribute__((always_inline)) void each_thread(const call_args *a, const int half_kv) {
     const int group = a->heads / a->kv_heads, head_dim = a->head_dim;
     const int64_t o_tok = (int64_t)a->heads * head_dim, o_head = head_dim;
-#ifdef PAGED_AVX512
+#if defined(PAGED_AVX512)
     const int vectorised = head_dim % LANES == 0 && head_dim <= LANES * LANES;
+#elif defined(PAGED_AVX2)
+    const int vectorised = head_dim % LANES8 == 0 && head_dim <= LANES8 * MAX_CHUNKS8;
 #else
     const int vectorised = 0;
 #endif
@@ -333,6 +524,19 @@ static inline __attribute__((always_inline)) void each_thread(const call_args *a
 #undef ATTEND
                 continue;
             }
+#elif defined(PAGED_AVX2)
+            if (vectorised) {
+#define ATTEND(chunks) attend_tile_avx2(chunks, a->q, a->q_tok, a->q_head, a->k_cache, a->v_cache, half_kv, \
+                                        a->num_blocks, a->block_size, group, head_dim, table, a->row_pos, t0, \
+                                        rows, kvh, a->scale, a->out, o_tok, o_head, scores, acc, row_at)
+                switch (head_dim / LANES8) {
+                    case 8: ATTEND(8); break;
+                    case 16: ATTEND(16); break;
+                    default: ATTEND(head_dim / LANES8);
+                }
+#undef ATTEND
+                continue;
+            }
 #endif
             attend_tile(a->q, a->q_tok, a->q_head, a->k_cache, a->v_cache, half_kv, a->num_blocks, a->block_size,
                         group, head_dim, table, a->row_pos, t0, rows, kvh, a->scale, a->out, o_tok, o_head, scores,
@@ -359,6 +563,18 @@ static int plan(call_args *a) {
     a->tile_start = tile_start;
     a->num_tiles = num_tiles;
     return 0;
+}
+
+/* The path this library was built with: 2 AVX-512, 1 AVX2, 0 the portable loops (head sizes a path cannot take
+ * still take the portable loops). */
+int paged_attention_path(void) {
+#if defined(PAGED_AVX512)
+    return 2;
+#elif defined(PAGED_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
 }
 
 /* Each exported function opens its own parallel region: the compiler outlines a region before it inlines, so one

@@ -387,6 +387,23 @@ def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64
         attention_kernel.main(["--pools", "float32,bfloat16"])
 
 
+def test_long_prompts_bench_times_prefill_then_the_decode_steps_for_each_pool(tiny_model_dir, capsys):
+    from bench import long_prompts
+
+    result = long_prompts.main(["--model", str(tiny_model_dir), "--weights", "float32", "--prompt-tokens", "40",
+                                "--requests", "2", "--decode-tokens", "3", "--budget", "32"])
+    assert [row["kv"] for row in result["rows"]] == ["float32", "float16"]
+    for row in result["rows"]:
+        # 80 prompt tokens in steps of 32: the second request's first token comes in the third step, and it has
+        # three more to go
+        assert row["prefill_s"] > 0 and row["decode_ms"] > 0 and row["decode_steps"] == 3
+        assert row["prefill_tok_s"] == pytest.approx(80 / row["prefill_s"])
+    assert "over a float16 KV pool" in result["rows"][1]["steps"]
+    assert "prefill 2x40" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown KV pool dtype 'bfloat16'"):
+        long_prompts.main(["--kv", "bfloat16"])
+
+
 def test_stack_bench_mixed_runs_chats_beside_bulk_streams_with_classes_on_and_off(tiny_model_dir, tmp_path):
     from bench import stack as stack_bench
 

@@ -29,7 +29,7 @@
 #define LANES 16         /* floats in an AVX-512 register */
 #define PV_QUERIES 4     /* queries whose outputs the AVX-512 path accumulates in registers together */
 #define LANES8 8         /* floats in an AVX2 register */
-#define MAX_CHUNKS8 32   /* the AVX2 path's largest head size, in registers: 256 */
+#define MAX_CHUNKS8 32   /* the AVX2 path's largest head size, in runs of 8 floats: 256 */
 #define KEY_BLOCK 128    /* keys the AVX2 path reads from memory once for every query of a tile */
 
 typedef _Float16 half;   /* the float16 pool's element */
@@ -317,6 +317,7 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
 }
 
+/* The largest of eight lanes, and their sum (in a fixed order). */
 static inline float hmax8(__m256 v) {
     __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     m = _mm_max_ps(m, _mm_movehl_ps(m, m));

@@ -147,8 +147,10 @@ def stream_heard(redis_url: str) -> Iterator[Heard]:
     stop = threading.Event()
 
     def listen() -> None:
-        while not stop.is_set():
-            if (message := listener.get_message(timeout=0.2)) is not None:
+        # Past the block's end, until 0.2 s pass with nothing: the web may have read an answer's last event and
+        # closed its response before this connection's copy of the same message was taken off the socket.
+        while (message := listener.get_message(timeout=0.2)) is not None or not stop.is_set():
+            if message is not None:
                 heard.append(message["data"])
 
     events = Heard()

@@ -22,14 +22,17 @@ class Layer(torch.nn.Module):
     layer_idx = 1
 
 
-def random_step(heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int):
-    """A step of decodes and prefill chunks (some with a cached prefix) over shuffled blocks."""
+def random_step(heads: int, kv_heads: int, head_dim: int, block_size: int, seed: int, long: bool = False):
+    """A step of decodes and prefill chunks (some with a cached prefix) over shuffled blocks. long: contexts of
+    hundreds of tokens, past the C kernel's blocks of keys."""
     gen = random.Random(seed)
-    num_blocks = 512
+    # (tokens already cached, new rows): decodes first, then chunks with and without a prefix.
+    shapes = [(gen.randint(1, 700 if long else 60), 1) for _ in range(5)] + [(0, 23), (17, 9), (32, 1), (5, 40)]
+    if long:
+        shapes[-3:] = [(300, 9), (520, 1), (130, 40)]
+    num_blocks = max(512, sum(-(-(c + n) // block_size) for c, n in shapes) + 1)
     free = list(range(num_blocks))
     gen.shuffle(free)
-    # (tokens already cached, new rows): decodes first, then chunks with and without a prefix.
-    shapes = [(gen.randint(1, 60), 1) for _ in range(5)] + [(0, 23), (17, 9), (32, 1), (5, 40)]
     spans, slots, row = [], [], 0
     history = []   # every sequence's full K/V, to check against dense attention
     for cached, n in shapes:
@@ -101,6 +104,28 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
     flat_k = kv[0, 1].reshape(kv_heads, -1, head_dim)
     torch.testing.assert_close(flat_k[:, slots], k)
     assert not kv[:, 0].any()
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", KERNEL_SHAPES)
+def test_the_kernel_attends_contexts_longer_than_its_blocks_of_keys(heads, kv_heads, head_dim, block_size,
+                                                                   two_threads):
+    """Decodes and chunks over hundreds of cached tokens: the vector paths read keys and values in blocks (the
+    AVX-512 path's hold 32-512 keys, by head size), carrying each query's output from block to block. Over a
+    float32 pool the kernel is dense attention's; over a float16 one, the float32 kernel's over the rounded rows to
+    the bit (whether a tile converts each block once or each row as it reads it)."""
+    kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads, long=True)
+    assert max(s.context for s in spans) > 512
+    outs = []
+    for pool, new_k, new_v in ((kv, k, v), (kv.half(), k, v), (kv.half().float(), k.half().float(), v.half().float())):
+        attention.set_context(attention.build_context("kernel", pool, slots, spans, num_decodes=5,
+                                                      block_size=block_size))
+        try:
+            outs.append(attention.paged_attention(Layer(), q[None], new_k[None], new_v[None], None)[0])
+        finally:
+            attention.set_context(None)
+    torch.testing.assert_close(outs[0][0], dense_reference(q, spans, history, heads, kv_heads), atol=1e-5, rtol=1e-4)
+    assert torch.equal(outs[1], outs[2])
 
 
 @needs_kernel

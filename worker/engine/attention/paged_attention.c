@@ -31,6 +31,8 @@
 #define LANES8 8         /* floats in an AVX2 register */
 #define MAX_CHUNKS8 32   /* the AVX2 path's largest head size, in runs of 8 floats: 256 */
 #define KEY_BLOCK 128    /* keys the AVX2 path reads from memory once for every query of a tile */
+#define KEY_FLOATS 8192  /* keys' or values' floats the AVX-512 path reads from memory once for every query of a tile */
+#define CONVERT_QUERIES 4   /* the AVX-512 path converts a float16 block once for a tile of more queries than this */
 
 /* exp(x) for x <= 0 in the vector paths (exp16, exp8): Cephes' single-precision polynomial on r = x - n ln 2
  * (ln 2 in two parts), scaled by 2^n; 0 below EXP_MIN. */
@@ -188,18 +190,92 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* Sixteen floats of a key or value row (float32, or float16 when `half_rows`), chunk c of it. */
+static inline __attribute__((always_inline)) __m512 row16(const void *row, int c, const int half_rows) {
+    return half_rows ? load_half16((const half *)row + c * LANES) : _mm512_loadu_ps((const float *)row + c * LANES);
+}
+
+/* A block of `count` pool rows (at pool + at[0..count-1]) for the AVX-512 path: where they are in the pool, or a
+ * float16 pool's converted once into `buffer` (count * chunks * LANES floats) when `convert`. */
+static inline __attribute__((always_inline)) void block_rows(const int chunks, const void *pool, const int half_kv,
+                                                             const int convert, const int64_t *at, int count,
+                                                             float *buffer, const void **rows) {
+    for (int j = 0; j < count; j++) {
+        if (half_kv && convert) {
+            float *row = buffer + (int64_t)j * chunks * LANES;
+            for (int c = 0; c < chunks; c++)
+                _mm512_storeu_ps(row + c * LANES, load_half16((const half *)pool + at[j] + c * LANES));
+            rows[j] = row;
+        } else {
+            rows[j] = half_kv ? (const void *)((const half *)pool + at[j])
+                              : (const void *)((const float *)pool + at[j]);
+        }
+    }
+}
+
+/* Query i's scores over the block's runs of keys from k0 on (rows: the block's, `count` of them). */
+static inline __attribute__((always_inline)) void scores_block(const int chunks, const void **rows, const int half_rows,
+                                                               const float *qi, int limit, int k0, int count,
+                                                               __m512 vscale, float *s) {
+    const int runs = (limit + LANES - 1) / LANES, block_end = (k0 + count) / LANES;
+    if (k0 / LANES >= runs) return;
+    __m512 qv[LANES];
+    for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qi + c * LANES);
+    for (int b = k0 / LANES; b < (runs < block_end ? runs : block_end); b++) {
+        __m512 a[LANES];
+        for (int t = 0; t < LANES; t++) {
+            const void *kt = rows[b * LANES - k0 + t];
+            __m512 acc = _mm512_mul_ps(qv[0], row16(kt, 0, half_rows));
+            for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], row16(kt, c, half_rows), acc);
+            a[t] = acc;
+        }
+        _mm512_storeu_ps(s + b * LANES, _mm512_mul_ps(sum16(a), vscale));
+    }
+}
+
+/* Outputs of queries i0..i0+nq-1 (nq <= together) over the block's keys k0..j1-1, carried in acc_rows from block to
+ * block. */
+static inline __attribute__((always_inline)) void values_block(
+        const int chunks, const int together, const void **rows, const int half_rows, const float *scores,
+        int stride, int i0, int nq, int k0, int j1, int head_dim, float *acc_rows) {
+    __m512 acc[PV_QUERIES][LANES];
+    for (int g = 0; g < together; g++)
+        for (int c = 0; c < chunks; c++)
+            acc[g][c] = k0 == 0 || g >= nq ? _mm512_setzero_ps()
+                                           : _mm512_loadu_ps(acc_rows + (int64_t)(i0 + g) * head_dim + c * LANES);
+    const float *sc[PV_QUERIES];
+    for (int g = 0; g < together; g++) sc[g] = scores + (int64_t)(i0 + (g < nq ? g : 0)) * stride;
+    for (int j = k0; j < j1; j++) {
+        const void *vj = rows[j - k0];
+        __m512 p[PV_QUERIES];
+        for (int g = 0; g < together; g++) p[g] = _mm512_set1_ps(sc[g][j]);
+        for (int c = 0; c < chunks; c++) {
+            const __m512 vc = row16(vj, c, half_rows);
+            for (int g = 0; g < together; g++)   /* a fixed bound keeps acc in registers; the tail's lanes idle */
+                if (g < nq) acc[g][c] = _mm512_fmadd_ps(p[g], vc, acc[g][c]);
+        }
+    }
+    for (int g = 0; g < nq; g++)
+        for (int c = 0; c < chunks; c++)
+            _mm512_storeu_ps(acc_rows + (int64_t)(i0 + g) * head_dim + c * LANES, acc[g][c]);
+}
+
 /* attend_tile for a head size that is a multiple of 16 (at most 256): each run of 16 keys gets its scores from one
- * register tree (sum16), and each query's output stays in registers over the keys,
- * PV_QUERIES queries at a time, so a value row is loaded once for them. A query's scores and output are
- * computed the same way whichever rows share its tile, as in the portable path. */
+ * register tree (sum16), and each query's output stays in registers over a block of keys, PV_QUERIES queries at a
+ * time, so a value row is loaded once for them. Keys and values go in blocks of KEY_FLOATS floats (a float16 pool's
+ * converted once a block), read from memory once for every query of the tile; outputs carry from block to block in
+ * `acc`. A query's scores and output are computed the same way whichever rows share its tile, as in the portable
+ * path. */
 static inline __attribute__((always_inline)) void attend_tile_avx512(
         const int chunks, const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
         const int half_kv, int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table,
         const int32_t *row_pos, int t0, int rows, int kvh, float scale, float *out, int64_t o_tok, int64_t o_head,
-        float *scores, int64_t *row_at) {
+        float *scores, float *acc_rows, int64_t *row_at, float *buffer) {
     const int n = rows * group;
     const int ctx = row_pos[t0 + rows - 1] + 1;
     const int stride = (ctx + LANES - 1) / LANES * LANES;   /* a query's scores, padded to whole runs of keys */
+    /* Keys a block: whole runs of LANES, as many as fill KEY_FLOATS. */
+    const int per_block = KEY_FLOATS / head_dim / LANES * LANES > LANES ? KEY_FLOATS / head_dim / LANES * LANES : LANES;
     /* Queries accumulated together: as many as keep their outputs in registers. */
     const int together = chunks <= 4 ? PV_QUERIES : (chunks <= 8 ? 2 : 1);
     const int64_t head_base = (int64_t)kvh * num_blocks * block_size;
@@ -216,27 +292,18 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
             limit[r * group + g] = row_pos[t0 + r] + 1;
         }
     }
+    const void *kv[KEY_FLOATS / LANES];   /* a block's rows */
+    /* A float16 pool's block converted once for every query of the tile when there are more than CONVERT_QUERIES
+     * of them; fewer convert each row as they read it. */
+    const int convert = half_kv && n > CONVERT_QUERIES, half_rows = half_kv && !convert;
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int i = 0; i < n; i++) {
-        __m512 qv[LANES];
-        for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qp[i] + c * LANES);
-        const int blocks = (limit[i] + LANES - 1) / LANES;
-        for (int b = 0; b < blocks; b++) {
-            __m512 a[LANES];
-            for (int t = 0; t < LANES; t++) {
-                __m512 acc;
-                if (half_kv) {
-                    const half *kt = (const half *)k_cache + row_at[b * LANES + t];
-                    acc = _mm512_mul_ps(qv[0], load_half16(kt));
-                    for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], load_half16(kt + c * LANES), acc);
-                } else {
-                    const float *kt = (const float *)k_cache + row_at[b * LANES + t];
-                    acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kt));
-                    for (int c = 1; c < chunks; c++) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(kt + c * LANES), acc);
-                }
-                a[t] = acc;
-            }
-            _mm512_storeu_ps(scores + (int64_t)i * stride + b * LANES, _mm512_mul_ps(sum16(a), vscale));
+    for (int k0 = 0; k0 < stride; k0 += per_block) {
+        const int count = stride - k0 < per_block ? stride - k0 : per_block;
+        block_rows(chunks, k_cache, half_kv, convert, row_at + k0, count, buffer, kv);
+        for (int i = 0; i < n; i++) {
+            float *s = scores + (int64_t)i * stride;
+            if (half_rows) scores_block(chunks, kv, 1, qp[i], limit[i], k0, count, vscale, s);
+            else scores_block(chunks, kv, 0, qp[i], limit[i], k0, count, vscale, s);
         }
     }
     float inv_sum[TILE_ROWS * MAX_GROUP];
@@ -263,32 +330,26 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
         for (int j = tail ? whole + LANES : whole; j < ctx; j++) s[j] = 0.f;
         inv_sum[i] = 1.f / _mm512_reduce_add_ps(vsum);
     }
-    for (int i0 = 0; i0 < n; i0 += together) {
-        const int nq = n - i0 < together ? n - i0 : together;
-        int last = 0;
-        for (int g = 0; g < nq; g++) last = limit[i0 + g] > last ? limit[i0 + g] : last;
-        __m512 acc[PV_QUERIES][LANES];
-        for (int g = 0; g < together; g++)
-            for (int c = 0; c < chunks; c++) acc[g][c] = _mm512_setzero_ps();
-        const float *sc[PV_QUERIES];
-        for (int g = 0; g < together; g++) sc[g] = scores + (int64_t)(i0 + (g < nq ? g : 0)) * stride;
-        for (int j = 0; j < last; j++) {
-            const float *vj = (const float *)v_cache + row_at[j];
-            const half *vh = (const half *)v_cache + row_at[j];
-            __m512 p[PV_QUERIES];
-            for (int g = 0; g < together; g++) p[g] = _mm512_set1_ps(sc[g][j]);
-            for (int c = 0; c < chunks; c++) {
-                const __m512 vc = half_kv ? load_half16(vh + c * LANES) : _mm512_loadu_ps(vj + c * LANES);
-                for (int g = 0; g < together; g++)   /* a fixed bound keeps acc in registers; the tail's lanes idle */
-                    if (g < nq) acc[g][c] = _mm512_fmadd_ps(p[g], vc, acc[g][c]);
-            }
+    for (int k0 = 0; k0 < ctx; k0 += per_block) {
+        const int count = ctx - k0 < per_block ? ctx - k0 : per_block;
+        block_rows(chunks, v_cache, half_kv, convert, row_at + k0, count, buffer, kv);
+        for (int i0 = 0; i0 < n; i0 += together) {
+            const int nq = n - i0 < together ? n - i0 : together;
+            int last = 0;
+            for (int g = 0; g < nq; g++) last = limit[i0 + g] > last ? limit[i0 + g] : last;
+            if (last <= k0) continue;   /* these queries' keys ended in an earlier block */
+            const int j1 = last < k0 + count ? last : k0 + count;
+            if (half_rows) values_block(chunks, together, kv, 1, scores, stride, i0, nq, k0, j1, head_dim, acc_rows);
+            else values_block(chunks, together, kv, 0, scores, stride, i0, nq, k0, j1, head_dim, acc_rows);
         }
-        for (int g = 0; g < nq; g++) {
-            const int i = i0 + g, r = i / group, h = i % group;
-            float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + h) * o_head;
-            const __m512 w = _mm512_set1_ps(inv_sum[i]);
-            for (int c = 0; c < chunks; c++) _mm512_storeu_ps(o + c * LANES, _mm512_mul_ps(acc[g][c], w));
-        }
+    }
+    for (int i = 0; i < n; i++) {
+        const int r = i / group, h = i % group;
+        float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + h) * o_head;
+        const float *a = acc_rows + (int64_t)i * head_dim;
+        const __m512 w = _mm512_set1_ps(inv_sum[i]);
+        for (int c = 0; c < chunks; c++)
+            _mm512_storeu_ps(o + c * LANES, _mm512_mul_ps(_mm512_loadu_ps(a + c * LANES), w));
     }
 }
 #endif
@@ -519,6 +580,9 @@ static inline __attribute__((always_inline)) void each_thread(const call_args *a
     float *scores = malloc(sizeof(float) * TILE_ROWS * group * ((int64_t)a->max_context + LANES));
     float *acc = malloc(sizeof(float) * TILE_ROWS * group * (int64_t)head_dim);
     int64_t *row_at = vectorised ? malloc(sizeof(int64_t) * ((int64_t)a->max_context + LANES)) : NULL;
+#ifdef PAGED_AVX512
+    float *buffer = vectorised && half_kv ? malloc(sizeof(float) * KEY_FLOATS) : NULL;   /* a block's rows as floats */
+#endif
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int tile = 0; tile < a->num_tiles; tile++) {
         for (int kvh = 0; kvh < a->kv_heads; kvh++) {
@@ -529,7 +593,8 @@ static inline __attribute__((always_inline)) void each_thread(const call_args *a
             if (vectorised) {   /* the common head sizes get their register layout fixed at compile time */
 #define ATTEND(chunks) attend_tile_avx512(chunks, a->q, a->q_tok, a->q_head, a->k_cache, a->v_cache, half_kv, \
                                           a->num_blocks, a->block_size, group, head_dim, table, a->row_pos, t0, \
-                                          rows, kvh, a->scale, a->out, o_tok, o_head, scores, row_at)
+                                          rows, kvh, a->scale, a->out, o_tok, o_head, scores, acc, row_at, \
+                                          buffer)
                 switch (head_dim / LANES) {
                     case 4: ATTEND(4); break;
                     case 8: ATTEND(8); break;
@@ -560,6 +625,9 @@ static inline __attribute__((always_inline)) void each_thread(const call_args *a
     free(scores);
     free(acc);
     free(row_at);
+#ifdef PAGED_AVX512
+    free(buffer);
+#endif
 }
 
 /* The call's tiles into a->tile_start (allocated; the caller frees it). Returns 0, or -1 when the heads are outside

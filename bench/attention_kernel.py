@@ -2,17 +2,22 @@
 in one run, on decode rows and a chunk, over a float32 pool and a float16 one.
 
     python -m bench.attention_kernel [--contexts 64,256,1024] [--pools float32,float16] [--threads 2] [--json PATH]
+                                     [--against OTHER.c]
 
 Both are built from worker/engine/paged_attention.c (the portable one with -DPAGED_PORTABLE) and called as the
 engine calls them, over a pool whose blocks are shuffled. Each figure is the median of `--repeats` calls, the
 pools and paths of one shape called in turn; each output is checked against float64 attention over the same pool
 (relative error), so a float16 pool's error is the kernel's arithmetic, not the pool's rounding. `f32_over_f16` is
 the vector path's time over a float32 pool divided by its time over a float16 one, for the same case.
+`--against` builds another version of the kernel's source as well (e.g. `git show main:worker/engine/attention/
+paged_attention.c > /tmp/main.c`) and times it in the same turns: column `against_us`, `speedup` (its time over
+this source's) and `same_bits` (whether its outputs equal this source's vector path's to the bit).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import statistics
 import sys
@@ -31,8 +36,14 @@ BLOCK_SIZE = 16
 POOLS = {"float32": (torch.float32, "paged_attention_f32"), "float16": (torch.float16, "paged_attention_f16kv")}
 
 
-def kernel(flags: tuple[str, ...], pool: str = "float32"):
-    lib = native.load(flags)
+def kernel(flags: tuple[str, ...], pool: str = "float32", source: Path | None = None):
+    """One of the kernel's exported functions: this checkout's source built with `flags`, or `source`'s."""
+    if source is None:
+        lib = native.load(flags)
+    else:
+        lib = native._declared(native._build(source, "paged-attention kernel", "none", flags),
+                               {name: native.ARGTYPES for _, name in POOLS.values()},
+                               {name: ctypes.c_int for _, name in POOLS.values()})
     if lib is None:
         raise SystemExit("the paged-attention kernel did not build (no C compiler?)")
     return getattr(lib, POOLS[pool][1])
@@ -114,6 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--against", type=Path, default=None, metavar="OTHER.c",
+                        help="another version of paged_attention.c, timed in the same turns")
     args = parser.parse_args(argv)
     pools = args.pools.split(",")
     unknown = [p for p in pools if p not in POOLS]
@@ -126,8 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"vector path built here: {path}" + (" (none: both columns time the portable loops)"
                                                if path == "portable" else ""))
     rows = []
+    variants = ("portable", "vector") + (("against",) if args.against else ())
     print(f"{'shape':14} {'rows':16} {'context':>7} {'pool':>7} {'portable_us':>12} {'vector_us':>10} {'ratio':>6} "
-          f"{'err_portable':>12} {'err_vector':>10}")
+          f"{'err_portable':>12} {'err_vector':>10}"
+          + (f" {'against_us':>10} {'speedup':>7} {'same_bits':>9}" if args.against else ""))
     for name, heads, kv_heads, head_dim in SHAPES:
         shapes = [(f"{args.rows} decode rows", args.rows, 1, int(x)) for x in args.contexts.split(",")]
         if args.chunk:
@@ -141,14 +156,20 @@ def main(argv: list[str] | None = None) -> dict:
                 call(portable, c, torch.empty(c["tokens"], c["heads"], c["head_dim"]), args.threads)
                 refs.append(reference(c))   # over the pool as a call leaves it: the step's own keys and values written
                 runs += [(portable, c), (kernel((), pool), c)]
+                if args.against:
+                    runs.append((kernel((), pool, args.against), c))
             timings = iter(timed_together(runs, args.threads, args.repeats))
             for pool, ref in zip(pools, refs):
                 row = {"shape": name, "rows": what, "context": context, "pool": pool}
-                for variant in ("portable", "vector"):
-                    us, out = next(timings)
+                outs = {}
+                for variant in variants:
+                    us, outs[variant] = next(timings)
                     row[f"{variant}_us"] = us
-                    row[f"err_{variant}"] = ((out.double() - ref).norm() / ref.norm()).item()
+                    row[f"err_{variant}"] = ((outs[variant].double() - ref).norm() / ref.norm()).item()
                 row["ratio"] = row["portable_us"] / row["vector_us"]
+                if args.against:
+                    row["speedup"] = row["against_us"] / row["vector_us"]
+                    row["same_bits"] = torch.equal(outs["against"], outs["vector"])
                 if pool == "float16" and "float32" in pools:
                     f32 = next(r for r in rows[::-1] if r["pool"] == "float32")
                     row["f32_over_f16"] = f32["vector_us"] / row["vector_us"]
@@ -156,6 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"{name:14} {what:16} {context:7d} {pool:>7} {row['portable_us']:12.1f} "
                       f"{row['vector_us']:10.1f} {row['ratio']:6.2f} {row['err_portable']:12.1e} "
                       f"{row['err_vector']:10.1e}"
+                      + (f" {row['against_us']:10.1f} {row['speedup']:7.2f} {str(row['same_bits']):>9}"
+                         if args.against else "")
                       + (f"   float32/float16 {row['f32_over_f16']:.2f}x" if "f32_over_f16" in row else ""))
     result = {"threads": args.threads, "path": path, "rows": rows}
     if args.json:

@@ -387,6 +387,27 @@ def test_attention_kernel_bench_times_both_paths_and_checks_them_against_float64
         attention_kernel.main(["--pools", "float32,bfloat16"])
 
 
+def test_attention_kernel_bench_times_another_version_of_the_source_beside_this_one(tmp_path):
+    from worker.engine import native
+
+    if native.load() is None:
+        pytest.skip("no C compiler for the paged-attention kernel")
+    from bench import attention_kernel
+
+    same, other = tmp_path / "same.c", tmp_path / "other.c"
+    same.write_bytes(native.SOURCE.read_bytes())
+    source = native.SOURCE.read_text()
+    assert source.count("    call_args a = CALL_ARGS;") == 2
+    other.write_text(source.replace("    call_args a = CALL_ARGS;", "    scale *= 1.01f;\n    call_args a = CALL_ARGS;"))
+    args = ["--contexts", "20", "--rows", "2", "--chunk", "8", "--repeats", "2", "--pools", "float32,float16"]
+    for against, bits in ((same, True), (other, False)):
+        rows = attention_kernel.main([*args, "--against", str(against)])["rows"]
+        assert len(rows) == 2 * 2 * len(attention_kernel.SHAPES)
+        for row in rows:
+            assert row["same_bits"] is bits and row["against_us"] > 0
+            assert row["speedup"] == pytest.approx(row["against_us"] / row["vector_us"])
+
+
 def test_long_prompts_bench_times_prefill_then_the_decode_steps_for_each_pool(tiny_model_dir, capsys):
     from bench import long_prompts
 

@@ -213,7 +213,7 @@ static inline __attribute__((always_inline)) void block_rows(const int chunks, c
     }
 }
 
-/* Query i's scores over the block's runs of keys from k0 on (rows: the block's, `count` of them). */
+/* One query's scores (into s) over the block's runs of keys from k0 on (rows: the block's, `count` of them). */
 static inline __attribute__((always_inline)) void scores_block(const int chunks, const void **rows, const int half_rows,
                                                                const float *qi, int limit, int k0, int count,
                                                                __m512 vscale, float *s) {
@@ -262,10 +262,9 @@ static inline __attribute__((always_inline)) void values_block(
 
 /* attend_tile for a head size that is a multiple of 16 (at most 256): each run of 16 keys gets its scores from one
  * register tree (sum16), and each query's output stays in registers over a block of keys, PV_QUERIES queries at a
- * time, so a value row is loaded once for them. Keys and values go in blocks of KEY_FLOATS floats (a float16 pool's
- * converted once a block), read from memory once for every query of the tile; outputs carry from block to block in
- * `acc`. A query's scores and output are computed the same way whichever rows share its tile, as in the portable
- * path. */
+ * time, so a value row is loaded once for them. Keys and values go in blocks of KEY_FLOATS floats, read from memory
+ * once for every query of the tile (block_rows); outputs carry from block to block in `acc_rows`. A query's scores
+ * and output are computed the same way whichever rows share its tile, as in the portable path. */
 static inline __attribute__((always_inline)) void attend_tile_avx512(
         const int chunks, const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache,
         const int half_kv, int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table,

@@ -106,6 +106,15 @@ def test_backend_writes_the_pool_and_matches_dense_attention(backend, heads, kv_
     assert not kv[:, 0].any()
 
 
+def kernel_step(pool, slots, spans, block_size, q, k, v):
+    """The kernel backend's attention for random_step's rows over `pool` (its new rows k, v written into layer 1)."""
+    attention.set_context(attention.build_context("kernel", pool, slots, spans, num_decodes=5, block_size=block_size))
+    try:
+        return attention.paged_attention(Layer(), q[None], k[None], v[None], None)[0]
+    finally:
+        attention.set_context(None)
+
+
 @needs_kernel
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", KERNEL_SHAPES)
 def test_the_kernel_attends_contexts_longer_than_its_blocks_of_keys(heads, kv_heads, head_dim, block_size,
@@ -116,14 +125,9 @@ def test_the_kernel_attends_contexts_longer_than_its_blocks_of_keys(heads, kv_he
     the bit (whether a tile converts each block once or each row as it reads it)."""
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads, long=True)
     assert max(s.context for s in spans) > 512
-    outs = []
-    for pool, new_k, new_v in ((kv, k, v), (kv.half(), k, v), (kv.half().float(), k.half().float(), v.half().float())):
-        attention.set_context(attention.build_context("kernel", pool, slots, spans, num_decodes=5,
-                                                      block_size=block_size))
-        try:
-            outs.append(attention.paged_attention(Layer(), q[None], new_k[None], new_v[None], None)[0])
-        finally:
-            attention.set_context(None)
+    outs = [kernel_step(pool, slots, spans, block_size, q, new_k, new_v)
+            for pool, new_k, new_v in ((kv, k, v), (kv.half(), k, v),
+                                       (kv.half().float(), k.half().float(), v.half().float()))]
     torch.testing.assert_close(outs[0][0], dense_reference(q, spans, history, heads, kv_heads), atol=1e-5, rtol=1e-4)
     assert torch.equal(outs[1], outs[2])
 
@@ -136,14 +140,8 @@ def test_the_kernel_over_a_float16_pool_computes_the_float32_kernel_over_the_row
     kernel's arithmetic over those rounded rows, to the bit (on the portable path and the vector paths alike)."""
     kv, spans, slots, q, k, v, history = random_step(heads, kv_heads, head_dim, block_size, seed=heads)
     kv16 = kv.half()
-    outs = []
-    for pool, new_k, new_v in ((kv16, k, v), (kv16.float(), k.half().float(), v.half().float())):
-        attention.set_context(attention.build_context("kernel", pool, slots, spans, num_decodes=5,
-                                                      block_size=block_size))
-        try:
-            outs.append(attention.paged_attention(Layer(), q[None], new_k[None], new_v[None], None)[0])
-        finally:
-            attention.set_context(None)
+    outs = [kernel_step(pool, slots, spans, block_size, q, new_k, new_v)
+            for pool, new_k, new_v in ((kv16, k, v), (kv16.float(), k.half().float(), v.half().float()))]
     assert torch.equal(outs[0], outs[1])
     assert torch.equal(kv16[0, 1].reshape(kv_heads, -1, head_dim)[:, slots], k.half())
     assert torch.equal(kv16[1, 1].reshape(kv_heads, -1, head_dim)[:, slots], v.half())

@@ -44,6 +44,8 @@ def kernel(flags: tuple[str, ...], pool: str = "float32", source: Path | None = 
         lib = native._declared(native._build(source, "paged-attention kernel", "none", flags),
                                {name: native.ARGTYPES for _, name in POOLS.values()},
                                {name: ctypes.c_int for _, name in POOLS.values()})
+    if lib is None and source is not None:
+        raise SystemExit(f"{source} did not build as the paged-attention kernel (the compiler's message is above)")
     if lib is None:
         raise SystemExit("the paged-attention kernel did not build (no C compiler?)")
     return getattr(lib, POOLS[pool][1])
@@ -128,6 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--against", type=Path, default=None, metavar="OTHER.c",
                         help="another version of paged_attention.c, timed in the same turns")
     args = parser.parse_args(argv)
+    if args.against is not None and not args.against.is_file():
+        raise SystemExit(f"--against {args.against}: no such file; give another version of paged_attention.c, e.g. "
+                         f"git show main:worker/engine/attention/paged_attention.c > /tmp/main.c")
     pools = args.pools.split(",")
     unknown = [p for p in pools if p not in POOLS]
     if unknown:

@@ -398,7 +398,8 @@ def test_attention_kernel_bench_times_another_version_of_the_source_beside_this_
     same.write_bytes(native.SOURCE.read_bytes())
     source = native.SOURCE.read_text()
     assert source.count("    call_args a = CALL_ARGS;") == 2
-    other.write_text(source.replace("    call_args a = CALL_ARGS;", "    scale *= 1.01f;\n    call_args a = CALL_ARGS;"))
+    other.write_text(source.replace("    call_args a = CALL_ARGS;",
+                                    "    scale *= 1.01f;\n    call_args a = CALL_ARGS;"))
     args = ["--contexts", "20", "--rows", "2", "--chunk", "8", "--repeats", "2", "--pools", "float32,float16"]
     for against, bits in ((same, True), (other, False)):
         rows = attention_kernel.main([*args, "--against", str(against)])["rows"]
@@ -406,6 +407,11 @@ def test_attention_kernel_bench_times_another_version_of_the_source_beside_this_
         for row in rows:
             assert row["same_bits"] is bits and row["against_us"] > 0
             assert row["speedup"] == pytest.approx(row["against_us"] / row["vector_us"])
+    with pytest.raises(SystemExit, match="no such file"):
+        attention_kernel.main([*args, "--against", str(tmp_path / "missing.c")])
+    (tmp_path / "broken.c").write_text("this is not C")
+    with pytest.raises(SystemExit, match="broken.c did not build"):
+        attention_kernel.main([*args, "--against", str(tmp_path / "broken.c")])
 
 
 def test_long_prompts_bench_times_prefill_then_the_decode_steps_for_each_pool(tiny_model_dir, capsys):

@@ -552,6 +552,11 @@ typedef struct {
     int num_tiles;
 } call_args;
 
+/* Scratch on whole cache lines: a vector load or store across two lines costs two. */
+static void *alloc64(size_t bytes) {
+    return aligned_alloc(64, (bytes + 63) / 64 * 64);
+}
+
 /* A thread's share of a call, inside the caller's parallel region: the new rows written, then its tiles attended.
  * Inlined into each exported function with half_kv a constant, so each has a loop of its own pool type. */
 static inline __attribute__((always_inline)) void each_thread(const call_args *a, const int half_kv) {
@@ -576,11 +581,11 @@ static inline __attribute__((always_inline)) void each_thread(const call_args *a
                  a->num_tokens);
     }
     /* The implicit barrier of the loops above: every new row is in the pool before any is read. */
-    float *scores = malloc(sizeof(float) * TILE_ROWS * group * ((int64_t)a->max_context + LANES));
-    float *acc = malloc(sizeof(float) * TILE_ROWS * group * (int64_t)head_dim);
+    float *scores = alloc64(sizeof(float) * TILE_ROWS * group * ((int64_t)a->max_context + LANES));
+    float *acc = alloc64(sizeof(float) * TILE_ROWS * group * (int64_t)head_dim);
     int64_t *row_at = vectorised ? malloc(sizeof(int64_t) * ((int64_t)a->max_context + LANES)) : NULL;
 #ifdef PAGED_AVX512
-    float *buffer = vectorised && half_kv ? malloc(sizeof(float) * KEY_FLOATS) : NULL;   /* a block's rows as floats */
+    float *buffer = vectorised && half_kv ? alloc64(sizeof(float) * KEY_FLOATS) : NULL;   /* a block's rows as floats */
 #endif
     #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int tile = 0; tile < a->num_tiles; tile++) {

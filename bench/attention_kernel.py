@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import random
 import statistics
 import sys
 import time
@@ -101,15 +102,18 @@ def reference(c: dict) -> torch.Tensor:
 
 
 def timed_together(runs: list[tuple], threads: int, repeats: int) -> list[tuple[float, torch.Tensor]]:
-    """runs: (kernel, case) pairs, called in turn within each repeat (the order reversed every other repeat), so a
-    shared machine's slow spells fall on all of them alike; each one's median microseconds and last output."""
+    """runs: (kernel, case) pairs, called in turn within each repeat, so a shared machine's slow spells fall on all
+    of them alike, in an order shuffled every repeat, so each comes after each other as often (a run after one over
+    another pool finds less of its own in cache); each one's median microseconds and last output."""
     outs = [torch.full((c["tokens"], c["heads"], c["head_dim"]), float("nan")) for _, c in runs]
     for (fn, c), out in zip(runs, outs):
         for _ in range(3):
             call(fn, c, out, threads)
     times = [[] for _ in runs]
-    for r in range(repeats):
-        order = range(len(runs)) if r % 2 == 0 else reversed(range(len(runs)))
+    shuffle = random.Random(0).shuffle
+    order = list(range(len(runs)))
+    for _ in range(repeats):
+        shuffle(order)
         for i in order:
             fn, c = runs[i]
             start = time.perf_counter()

@@ -12,7 +12,6 @@ import queue
 import re
 import statistics
 import tempfile
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor

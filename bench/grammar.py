@@ -38,7 +38,7 @@ from bench.sampler import KINDS, NEW_ONLY, model_logits
 from structured import Structure
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.grammar import Grammars
-from worker.engine.sampler import GrammarMasks, Sampler
+from worker.engine.sampler import Sampler
 from worker.model_loader import load_model
 
 BASELINE_COMMIT = "35a66a4"   # the sampler before structured output and the new processors

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker.engine.weights.quantised import GROUP, Int4Weights
+from worker.engine.weights.quantised import Int4Weights
 
 log = logging.getLogger(__name__)
 

@@ -440,6 +440,15 @@ def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.M
     assert torch.equal(fast, full)
 
 
+def test_the_candidate_search_is_the_cpus_default_and_a_devices_only_when_asked() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert Sampler().candidate_limit(cpu) == sampler_module.CPU_CANDIDATES
+    assert Sampler().candidate_limit(cuda) == 0          # no host read mid-step unless asked
+    assert Sampler(candidates=0).candidate_limit(cpu) == 0
+    assert Sampler(candidates=512).candidate_limit(cuda) == 512
+    assert Sampler(candidates=512).candidate_limit(cpu) == 512
+
+
 @pytest.mark.parametrize("kernel", ["c", "torch"])
 def test_row_sums_have_the_same_bits_alone_or_in_any_batch(kernel: str, two_threads,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:

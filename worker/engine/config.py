@@ -34,8 +34,10 @@ class EngineConfig:
                                          # work in C (fused.py); None: $FUSED_LAYERS, else on where the layers fit
     overlap_steps: bool | None = None    # sample on the device and read the tokens back while the next step
                                          # runs (engine.py); None: off (sizing.py)
-    sampler_candidates: int | None = None  # CPU: top-k/top-p searched among this many best tokens first (0: the
-                                           # device path); None: 256. Elsewhere never: no host reads (sampler.py)
+    sampler_candidates: int | None = None  # top-k/top-p searched among this many best tokens first, the rows
+                                           # that need more redone over the whole row (0: never); None: 256 on a
+                                           # CPU, never on a device, where it reads a count on the host mid-step
+                                           # (sampler.py)
 
     def validate(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

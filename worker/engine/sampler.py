@@ -20,8 +20,8 @@ from worker.engine.transfer import upload
 # On CPU, where reading a tensor on the host costs nothing, the top-k/top-p cut-off is looked for among this many
 # best tokens first (a partial sort), and only rows whose cut-off or kept tokens lie further down are redone over the
 # whole row (EngineConfig.sampler_candidates; 0 takes the device path on CPU too). On a device nothing is read on
-# the host in the middle of a step: a top-k cut-off is found among the best max(k) + 1 tokens, and only a top-p row
-# without a top-k sorts its whole row.
+# the host in the middle of a step unless sampler_candidates asks for the same search there: a top-k cut-off is
+# found among the best max(k) + 1 tokens, and only a top-p row without a top-k sorts its whole row.
 log = logging.getLogger(__name__)
 CPU_CANDIDATES = 256
 MAX_CANDIDATES = 1024
@@ -587,7 +587,7 @@ class Sampler:
 
     def __init__(self, candidates: int | None = None, race: bool | None = None,
                  breakers: BreakerResolver | None = None) -> None:
-        self.candidates = candidates   # CPU: 0 takes the device path; None: CPU_CANDIDATES
+        self.candidates = candidates   # 0 takes the device path; None: CPU_CANDIDATES on a CPU, 0 elsewhere
         self.race = race               # None: on CUDA
         self.breakers = breakers       # DRY's sequence breakers to token ids (dry.BreakerTokens)
         self.history = TokenHistory()     # whole histories, for the repetition penalty
@@ -669,18 +669,24 @@ class Sampler:
         floor = min_p_floor(row_max, rows)
         if not rows.any_filter:
             return draw_full(scores, row_max, floor, u, masked)
-        limit = self.candidates if self.candidates is not None else CPU_CANDIDATES
-        if scores.device.type == "cpu" and limit:
+        limit = self.candidate_limit(scores.device)
+        if limit:
             return self._draw_among_candidates(scores, row_max, floor, rows, u, limit, masked)
         # A top-k cut-off lies among the best max(k) + 1 tokens (no sort); a top-p row without top-k sorts its row.
         width = vocab if rows.any_top_p_without_top_k else min(vocab, rows.max_top_k + 1)
         return draw_full(scores, row_max, _raised(cutoff(scores, row_max, rows, width).threshold, floor), u, masked)
 
+    def candidate_limit(self, device: torch.device) -> int:
+        """How many best tokens a top-k/top-p cut-off is looked for among first (0: the device path)."""
+        if self.candidates is not None:
+            return self.candidates
+        return CPU_CANDIDATES if device.type == "cpu" else 0
+
     def _draw_among_candidates(self, scores: torch.Tensor, row_max: torch.Tensor, floor: torch.Tensor | None,
                                rows: RowParams, u: torch.Tensor, limit: int, masked: bool) -> torch.Tensor:
-        """CPU: the cut-off among the best tokens (one more than the largest k, so a binding top-k shows), with
-        the rows whose cut-off or kept tokens lie further down redone over the whole row. The host reads here
-        cost nothing on a CPU, where there is no queue of device work to wait for."""
+        """The cut-off among the best tokens (one more than the largest k, so a binding top-k shows), with the rows
+        whose cut-off or kept tokens lie further down redone over the whole row. The host reads here cost nothing
+        on a CPU, where there is no queue of device work to wait for; on a device each waits for the step so far."""
         vocab = scores.shape[1]
         want = rows.max_top_k + 1 if not rows.any_top_p_without_top_k else max(limit, rows.max_top_k + 1)
         width = min(vocab, want, MAX_CANDIDATES)

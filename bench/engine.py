@@ -46,7 +46,7 @@ CB_ATTN_CHOICES = ("sdpa", "paged|eager")
 # On 2 CPU cores with SmolLM2-135M in float32, sdpa gave 3-15 % more tokens/s than paged|eager (4 and 16 slots).
 # On CUDA transformers itself switches sdpa to flash attention when a flash kernel is installed.
 DEFAULT_CB_ATTN = "sdpa"
-STEP_SAMPLINGS = ("greedy", "sampled")
+STEP_SAMPLINGS = ("greedy", "sampled", "chat")
 RSS_INTERVAL_S = 0.02
 COLORS = {"static": "#888888", "transformers_cb": "#4c72b0", "engine": "#dd8452", "engine_best": "#55a868",
           "engine_dense": "#c44e52", "llamacpp": "#8172b3"}
@@ -564,7 +564,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(or --model's)")
     parser.add_argument("--step-profile", default=None, metavar="N,N,...",
                         help="e.g. 16,64,256: time the engine's decode step at each number of running sequences, "
-                             "wall time against device busy time from the profiler, greedy and sampled")
+                             "wall time against device busy time from the profiler: greedy, every knob sampled, "
+                             "and the chat's sampling (top-p without top-k, DRY)")
     parser.add_argument("--profile-steps", type=int, default=8, help="--step-profile: decode steps measured")
     parser.add_argument("--mixed-profile", type=int, default=None, metavar="TOKENS",
                         help="e.g. 20000: time the steps that prefill one prompt of TOKENS random ids beside --slots "
@@ -778,6 +779,9 @@ def step_params(sampling: str, seed: int, cap: int):
 
     if sampling == "greedy":
         return SamplingParams(temperature=0.0, max_new_tokens=cap, ignore_eos=True)
+    if sampling == "chat":   # the chat's defaults (webapp/config.py): top-p without a top-k, and DRY on the answer
+        return SamplingParams(temperature=0.7, top_p=0.9, dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2,
+                              dry_include_prompt=False, seed=seed, max_new_tokens=cap, ignore_eos=True)
     # Every sampling knob at once, each request with a seed of its own.
     return SamplingParams(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1, seed=seed,
                           max_new_tokens=cap, ignore_eos=True)
@@ -944,8 +948,9 @@ def step_profile(args: argparse.Namespace, setup: Setup, info: dict) -> dict:
         print("  ".join(f"{fmt(row[h]):>14}" for h in header))
     print()
     for n in args.step_profile:
-        greedy, sampled = (next(r for r in rows if r["seqs"] == n and r["sampling"] == s) for s in STEP_SAMPLINGS)
-        print(f"{n} seqs: sampled / greedy step wall {sampled['wall_ms'] / greedy['wall_ms']:.2f}x")
+        greedy, *others = (next(r for r in rows if r["seqs"] == n and r["sampling"] == s) for s in STEP_SAMPLINGS)
+        print(f"{n} seqs: " + ", ".join(f"{r['sampling']} / greedy step wall {r['wall_ms'] / greedy['wall_ms']:.2f}x"
+                                         for r in others))
     for row in rows:
         if "h2d_copies_per_step" in row:
             print(f"{row['seqs']} seqs {row['sampling']}: host-to-device copies per step "

@@ -140,7 +140,9 @@ steps|all)   # decode steps at 16 / 64 / 256 of 256 slots: wall against GPU kern
     done ;;
 esac
 case $part in
-sampler|all) # sampled against greedy steps: a full sort per step (the GPU default) against the 256 best first
+sampler|all) # greedy, every knob sampled and the chat's sampling (top-p without top-k, DRY): the device path (a
+             # full sort for top-p without top-k) against a search among the 256 best first, which reads a count on
+             # the host mid-step; random weights' flat logits send every top-p row past the 256, its worst case
     for n in 0 256; do
         bench "sampler-$n" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --sampler-candidates "$n"
     done ;;

@@ -121,7 +121,7 @@ def test_step_profile_times_decode_steps_against_operator_time(tiny_config):
     result = bench.main(["--workload", "nano", "--requests", "2", "--nano-lengths", "8,16", "--random-weights",
                          str(tiny_config), "--device", "cpu", "--step-profile", "2,3", "--profile-steps", "2"])
     rows = result["step_profile"]
-    assert [(r["seqs"], r["sampling"]) for r in rows] == [(2, "greedy"), (2, "sampled"), (3, "greedy"), (3, "sampled")]
+    assert [(r["seqs"], r["sampling"]) for r in rows] == [(n, s) for n in (2, 3) for s in ("greedy", "sampled", "chat")]
     for row in rows:
         assert row["busy_kind"] == "cpu_ops" and row["steps"] == 2
         assert row["wall_ms"] > 0 and row["busy_ms"] > 0 and row["wall_over_busy"] > 0

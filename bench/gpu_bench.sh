@@ -145,6 +145,17 @@ sampler|all) # greedy, every knob sampled and the chat's sampling (top-p without
              # the host mid-step; random weights' flat logits send every top-p row past the 256, its worst case
     for n in 0 256; do
         bench "sampler-$n" --workload nano --random-weights qwen3-0.6b --step-profile 16,64,256 --sampler-candidates "$n"
+    done
+    # the sampler alone over a model's kind of logits (a nucleus of 7-10 tokens): search against device path
+    for vocab in 151936 49152; do
+        echo "== sampler-alone-$vocab: python -m bench.sampler --logits peaked --vocab $vocab" | tee -a "$out/commands.txt"
+        if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.sampler --model "$kit/model" --logits peaked --vocab "$vocab" \
+                --rows 16,64,256 --engine-slots 0 --rebuild-rows 0 --device cuda \
+                --json "$out/sampler-alone-$vocab.json" > "$out/sampler-alone-$vocab.log" 2>&1; then
+            echo "!! sampler-alone-$vocab failed" | tee -a "$out/failed.txt"
+            failed+=("sampler-alone-$vocab")
+        fi
+        tail -20 "$out/sampler-alone-$vocab.log"
     done ;;
 esac
 case $part in

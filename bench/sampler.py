@@ -17,9 +17,9 @@ import torch
 from bench.engine import DEFAULT_WORKLOAD, load_workload
 from worker.engine import EngineConfig, LLMEngine, SamplingParams
 from worker.engine.dry import BreakerTokens
-from worker.engine.sampler import Bias, BiasCache, RowParams, Sampler
+from worker.engine.sampler import CPU_CANDIDATES, Bias, BiasCache, RowParams, Sampler
 from worker.engine.transfer import upload
-from worker.model_loader import load_model
+from worker.model_loader import load_model, load_tokenizer, pick_device
 
 SAMPLED = dict(temperature=0.7, top_k=50, top_p=0.9, repetition_penalty=1.1)
 KINDS: dict[str, dict] = {
@@ -104,6 +104,19 @@ def model_logits(model, tokenizer, rows: int, workload: Path) -> tuple[torch.Ten
     return logits[index].contiguous(), [list(prompts[i]) for i in index]
 
 
+def peaked_logits(rows: int, vocab: int, device: torch.device, seed: int = 0) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits shaped like a language model's without one: Zipf-like (score -1.3 ln rank) over a shuffled vocabulary,
+    whose nucleus at temperature 0.7 and top-p 0.9 is 7-10 tokens (the default model's, over the workload's
+    prompts: 2-24), and 300-token histories of random ids. For a GPU machine without the model's weights, and for
+    vocabularies other than the model's."""
+    g = torch.Generator().manual_seed(seed)
+    ranks = torch.arange(1, vocab + 1, dtype=torch.float32)
+    logits = torch.stack([(-1.3 * ranks.log())[torch.randperm(vocab, generator=g)] for _ in range(rows)])
+    logits += torch.randn(rows, vocab, generator=g) * 0.1
+    histories = torch.randint(0, vocab, (rows, 300), generator=g).tolist()
+    return logits.to(device), histories
+
+
 def time_calls(sample: Callable, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                repeats: int) -> float:
     """Median seconds per call in decode's steady state: every history grows by the token just drawn."""
@@ -121,14 +134,17 @@ def time_calls(sample: Callable, logits: torch.Tensor, params: list[SamplingPara
     return statistics.median(times)
 
 
-def sampler_table(model, tokenizer, rows_list: list[int], repeats: int, workload: Path) -> list[dict]:
+def sampler_table(make_logits: Callable[[int], tuple[torch.Tensor, list[list[int]]]], tokenizer,
+                  rows_list: list[int], repeats: int) -> list[dict]:
+    """new: the best-tokens search (the CPU's default); full sort: the device path (a device's default)."""
     results = []
     for rows in rows_list:
-        logits, histories = model_logits(model, tokenizer, rows, workload)
+        logits, histories = make_logits(rows)
         breakers = BreakerTokens(tokenizer)
         for kind, config in KINDS.items():
             params = [SamplingParams(**config)] * rows
-            new = time_calls(Sampler(breakers=breakers), logits, params, histories, repeats)
+            new = time_calls(Sampler(candidates=CPU_CANDIDATES, breakers=breakers), logits, params, histories,
+                             repeats)
             sort = time_calls(Sampler(candidates=0, breakers=breakers), logits, params, histories, repeats)
             old = time_calls(PreviousSampler(), logits, params, histories, repeats) if kind not in NEW_ONLY \
                 else math.nan
@@ -242,8 +258,15 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rebuild-biases", default="0,10,1110",
                         help="logit_bias entries a row (1,110: the digit tokens of a vocabulary of 1-3 digit groups)")
     parser.add_argument("--rebuild-vocab", type=int, default=128256)
+    parser.add_argument("--logits", choices=("model", "peaked"), default="model",
+                        help="the sampler alone over the model's logits at the workload's prompts, or over "
+                             "Zipf-like ones (no weights needed; --vocab, --device)")
+    parser.add_argument("--vocab", type=int, default=151936, help="--logits peaked: vocabulary size")
+    parser.add_argument("--device", default=None, help="--logits peaked: cpu, cuda (default: cuda if available)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.logits == "peaked" and args.engine_slots:
+        parser.error("--logits peaked times the sampler alone; add --engine-slots 0")
     result: dict = {}
     if args.rebuild_rows:
         result["rebuild"] = rebuild_table(args.rebuild_rows, [int(b) for b in args.rebuild_biases.split(",") if b],
@@ -260,12 +283,18 @@ def main(argv: list[str] | None = None) -> dict:
         return result
 
     torch.set_num_threads(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
-    model, tokenizer = load_model(args.model)
-    info = {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."),
-            "cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
-            "torch": torch.__version__}
+    if args.logits == "peaked":
+        model, tokenizer, device = None, load_tokenizer(args.model), pick_device(args.device)
+        make_logits = lambda rows: peaked_logits(rows, args.vocab, device)   # noqa: E731
+        info = {"device": str(device), "dtype": "float32", "logits": f"peaked, vocab {args.vocab}"}
+    else:
+        model, tokenizer = load_model(args.model)
+        make_logits = lambda rows: model_logits(model, tokenizer, rows, args.workload)   # noqa: E731
+        info = {"device": str(model.device), "dtype": str(model.dtype).removeprefix("torch."), "logits": "model"}
+    info.update(cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads(),
+                torch=torch.__version__)
     print(json.dumps(info))
-    rows = sampler_table(model, tokenizer, [int(r) for r in args.rows.split(",") if r], args.repeats, args.workload)
+    rows = sampler_table(make_logits, tokenizer, [int(r) for r in args.rows.split(",") if r], args.repeats)
     print(f"{'rows':>5} {'kind':<18} {'new ms':>9} {'full sort ms':>13} {'previous ms':>12} {'vs greedy':>10} "
           f"{'speed-up':>9}")
     for r in rows:

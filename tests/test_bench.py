@@ -335,6 +335,24 @@ def test_sampler_bench_times_the_bias_rebuild_each_way(capsys):
     assert "3 entries a row" in capsys.readouterr().out
 
 
+def test_sampler_bench_times_both_paths_over_peaked_logits_without_the_models_weights():
+    from bench import sampler as sampler_bench
+
+    logits, histories = sampler_bench.peaked_logits(16, 151936, torch.device("cpu"))
+    probs = torch.softmax(logits / 0.7, dim=-1).sort(dim=-1, descending=True).values
+    nucleus = ((probs.cumsum(dim=-1) - probs) < 0.9).sum(dim=-1)
+    assert 5 <= int(nucleus.min()) and int(nucleus.max()) <= 12   # as the docstring says: a model's, not flat
+    assert len(histories) == 16 and all(len(h) == 300 for h in histories)
+
+    result = sampler_bench.main(["--rows", "3", "--engine-slots", "0", "--rebuild-rows", "0", "--logits", "peaked",
+                                 "--vocab", "2048", "--device", "cpu", "--repeats", "1"])
+    assert result["info"]["logits"] == "peaked, vocab 2048"
+    assert {r["kind"] for r in result["sampler"]} == set(sampler_bench.KINDS)
+    assert all(r["vocab"] == 2048 and r["new_ms"] > 0 and r["full_sort_ms"] > 0 for r in result["sampler"])
+    with pytest.raises(SystemExit):   # no model to run the engine with
+        sampler_bench.main(["--rows", "3", "--logits", "peaked"])
+
+
 def test_host_time_splits_decode_steps_of_every_row_into_their_parts(capsys):
     from bench import host_time
 

@@ -976,14 +976,35 @@ def test_warming_up_compiles_the_fused_draw_for_one_row_and_more(monkeypatch) ->
     assert calls == []
 
 
-def test_greedy_takes_each_rows_first_largest_score_as_argmax_does() -> None:
-    scores = torch.randn(6, 300)
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_greedy_takes_each_rows_first_largest_score_as_argmax_does(kernel: str, two_threads,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel == "c" and native.load_top_k() is None:
+        pytest.skip("no C compiler for top_k.c")
+    if kernel == "torch":
+        monkeypatch.setattr(sampler_module.native, "load_top_k", lambda: None)
+    first_largest = sampler_module.first_largest
+    scores = torch.randn(12, 300)
     scores[0, [7, 40]] = 9.0                        # a tie: the first
     scores[1, [3, 250]] = float("inf")
     scores[2] = 0.0                                  # all equal
     scores[3, 100] = float("nan")                    # NaN is the largest, as argmax has it
-    assert torch.equal(sampler_module.first_largest(scores), scores.argmax(dim=-1))
-    assert sampler_module.first_largest(scores)[:3].tolist() == [7, 3, 0]
+    scores[4] = float("-inf")
+    scores[5, [18, 5]] = 50.0                        # a tie in two lanes: the lower column in the later lane
+    scores[6, [299, 298]] = float("nan")             # NaN in the tail past the last block of 16
+    scores[7, [290, 16]] = 50.0                      # a tie between the tail and a block
+    scores[8, 299] = 50.0                            # the largest alone in the tail
+    scores[9, [3, 19, 35]] = 50.0                    # one lane's tie: its first
+    scores[10, [40, 41]] = float("nan")
+    scores[10, 2] = float("inf")
+    assert torch.equal(first_largest(scores), scores.argmax(dim=-1))
+    assert first_largest(scores)[:10].tolist() == [7, 3, 0, 100, 0, 5, 298, 16, 299, 3]
+    for cols in (1, 15, 16, 17, 49_152):             # rows of one block, less, more, and a vocabulary
+        wide = torch.randn(5, cols)
+        assert torch.equal(first_largest(wide), wide.argmax(dim=-1)), cols
+    view = torch.randn(4, 700)[:, 3:603]             # rows apart by more than their width, off a vector's start
+    assert torch.equal(first_largest(view), view.argmax(dim=-1))
+    assert torch.equal(first_largest(scores[9:10]), torch.tensor([3]))
 
 
 def _valid_top_k(scores: torch.Tensor, values: torch.Tensor, indices: torch.Tensor) -> None:

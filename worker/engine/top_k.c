@@ -4,10 +4,12 @@
  * k kept are the same whatever the order they are met in. NaN scores are left out while the row has k numbers
  * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way.
  *
- * Also each row's sum (top-p's normaliser), in one order whatever rows or threads there are. */
+ * Also each row's sum (top-p's normaliser), in one order whatever rows or threads there are, and each row's first
+ * largest score's column (greedy decoding's token). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define BLOCK 16                 /* scores a vector */
 #define GROUP (BLOCK * BLOCK)   /* scores of one pass over 16 vectors */
@@ -167,5 +169,59 @@ void row_sums_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, fl
             for (int l = 0; l < width; l++)
                 sums[l] += sums[l + width];
         out[m] = sums[0] + rest;
+    }
+}
+
+/* Each row's first largest score's column, as torch's max(dim=-1): the lowest column of the largest score, or of the
+ * first NaN where a row has one. BLOCK lanes keep their own largest and its first column in one pass over the row,
+ * in GCC's vector types (one AVX-512 register a lane set; narrower CPUs split it). */
+typedef float lanes_f __attribute__((vector_size(BLOCK * sizeof(float))));
+typedef int32_t lanes_i __attribute__((vector_size(BLOCK * sizeof(int32_t))));
+
+void first_largest_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * stride;
+        lanes_f best;
+        lanes_i at, odd = {0}, column;
+        for (int l = 0; l < BLOCK; l++) {
+            best[l] = -INFINITY;
+            at[l] = -1;
+            column[l] = l;
+        }
+        int64_t j = 0;
+        for (; j + BLOCK <= cols; j += BLOCK) {
+            lanes_f v;
+            memcpy(&v, row + j, sizeof v);
+            const lanes_i more = v > best;   /* -1 where larger; a NaN is never larger */
+            odd |= v != v;
+            best = (lanes_f)(((lanes_i)v & more) | ((lanes_i)best & ~more));
+            at = (column & more) | (at & ~more);
+            column += BLOCK;
+        }
+        float top = -INFINITY;
+        int64_t first = -1;
+        int nan = 0;
+        for (int l = 0; l < BLOCK; l++) {
+            nan |= odd[l] != 0;
+            if (at[l] >= 0 && (best[l] > top || (best[l] == top && at[l] < first))) {
+                top = best[l];
+                first = at[l];
+            }
+        }
+        for (; j < cols; j++) {   /* the tail, after every whole block: strictly larger only */
+            nan |= row[j] != row[j];
+            if (row[j] > top) {
+                top = row[j];
+                first = j;
+            }
+        }
+        if (nan || first < 0)   /* a NaN (its first column), or a row of -inf only (column 0) */
+            for (j = 0; j < cols; j++)
+                if (row[j] != row[j] || (!nan && j == 0)) {
+                    first = j;
+                    break;
+                }
+        out[m] = first;
     }
 }

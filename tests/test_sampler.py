@@ -440,6 +440,36 @@ def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.M
     assert torch.equal(fast, full)
 
 
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_exp_sums_are_top_ps_normaliser_with_the_same_bits_alone_or_in_any_batch(kernel: str, two_threads,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if kernel == "c" and native.load_top_k() is None:
+        pytest.skip("no C compiler for top_k.c")
+    if kernel == "torch":
+        monkeypatch.setattr(sampler_module.native, "load_top_k", lambda: None)
+    scores = random_logits(7, 49_157, seed=5) * 4.0
+    scores[1, :20_000] = float("-inf")               # masked tokens weigh nothing
+    scores[2, 7] = scores[2].max() - 90.0            # below exp's range: nothing either
+    scores[3] = 0.0                                  # every weight 1
+    row_max = scores.amax(dim=-1, keepdim=True)
+    sums = sampler_module.exp_sums(scores, row_max)
+    assert sums.shape == (7, 1)
+    reference = (scores.double() - row_max.double()).exp().sum(dim=-1, keepdim=True)
+    torch.testing.assert_close(sums.double(), reference, rtol=2e-5, atol=0)
+    assert sums[3].item() == 49_157
+    for i in range(7):
+        assert torch.equal(sampler_module.exp_sums(scores[i:i + 1], row_max[i:i + 1]), sums[i:i + 1]), i
+        assert torch.equal(sampler_module.exp_sums(scores[i:], row_max[i:]), sums[i:]), i
+    # each exponential to within 2 ulp of float32's: rows of 16 equal scores, summed exactly (times 16)
+    values = torch.linspace(-87.0, 0.0, 2001)
+    each = sampler_module.exp_sums(values.unsqueeze(1).expand(-1, 16).contiguous(), torch.zeros(2001, 1)) / 16
+    torch.testing.assert_close(each.squeeze(1).double(), values.double().exp(), rtol=2.5e-7, atol=0)
+    short = random_logits(3, 37, seed=6)             # two blocks of 16 and a tail
+    short_max = short.amax(dim=-1, keepdim=True)
+    torch.testing.assert_close(sampler_module.exp_sums(short, short_max).double(),
+                               (short.double() - short_max.double()).exp().sum(dim=-1, keepdim=True), rtol=1e-6, atol=0)
+
+
 def test_the_candidate_search_is_the_cpus_default_and_a_devices_only_when_asked() -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
     assert Sampler().candidate_limit(cpu) == sampler_module.CPU_CANDIDATES

@@ -125,12 +125,13 @@ def load_layer_step() -> ctypes.CDLL | None:
 
 @cache
 def load_top_k() -> ctypes.CDLL | None:
-    """The sampler's top-k selection, row sums and argmax in C (top_k.c), or None (logged): the sampler then takes
-    torch's."""
+    """The sampler's top-k selection, row sums (of exponentials too) and argmax in C (top_k.c), or None (logged): the
+    sampler then takes torch's."""
     return _declared(_build(TOP_K_SOURCE, "top-k kernel", "the sampler uses torch.topk"),
                      {"top_k_f32": [_P, _I64, _I64, _I64, _I64, _P, _P, _I32],   # x, rows, cols, stride, k, out...
                       "row_sums_f32": [_P, _I64, _I64, _I64, _P, _I32],          # x, rows, cols, stride, out, threads
-                      "first_largest_f32": [_P, _I64, _I64, _I64, _P, _I32]},    # the same, out int64
+                      "exp_sums_f32": [_P, _I64, _I64, _I64, _P, _P, _I32],      # ..., stride, row_max, out, threads
+                      "first_largest_f32": [_P, _I64, _I64, _I64, _P, _I32]},    # as row_sums, out int64
                      {"top_k_f32": ctypes.c_int})
 
 

@@ -4,8 +4,8 @@
  * k kept are the same whatever the order they are met in. NaN scores are left out while the row has k numbers
  * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way.
  *
- * Also each row's sum (top-p's normaliser), in one order whatever rows or threads there are, and each row's first
- * largest score's column (greedy decoding's token). */
+ * Also each row's sum (top-p's normaliser), in one order whatever rows or threads there are, the same of the row's
+ * exponentials in one pass, and each row's first largest score's column (greedy decoding's token). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -172,11 +172,62 @@ void row_sums_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, fl
     }
 }
 
-/* Each row's first largest score's column, as torch's max(dim=-1): the lowest column of the largest score, or of the
- * first NaN where a row has one. BLOCK lanes keep their own largest and its first column in one pass over the row,
- * in GCC's vector types (one AVX-512 register a lane set; narrower CPUs split it). */
+/* BLOCK lanes in GCC's vector types: one AVX-512 register, two AVX2 ones, four SSE ones. */
 typedef float lanes_f __attribute__((vector_size(BLOCK * sizeof(float))));
 typedef int32_t lanes_i __attribute__((vector_size(BLOCK * sizeof(int32_t))));
+
+#define EXP_MIN (-87.33654f)   /* below it exp underflows: such lanes (and -inf) give 0 */
+
+/* exp(x) for x <= 0 in every lane, in place, 0 below EXP_MIN: Cephes' single-precision polynomial on x - n ln 2,
+ * scaled by 2^n (within 2 ulp of expf). By pointer: a vector argument's ABI differs between CPUs' builds. */
+static inline void exp_lanes(lanes_f *out) {
+    lanes_f x = *out;
+    const lanes_i under = x < EXP_MIN;
+    x = (lanes_f)(((lanes_i)x & ~under) | ((lanes_i)(x - x + EXP_MIN) & under));
+    const lanes_i n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, lanes_i);   /* round(x / ln 2) */
+    const lanes_f nf = __builtin_convertvector(n, lanes_f);
+    lanes_f r = x - nf * 0.693359375f;
+    r = r - nf * -2.12194440e-4f;
+    lanes_f p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const lanes_f scale = (lanes_f)((n + 127) << 23);
+    *out = (lanes_f)((lanes_i)(p * scale) & ~under);
+}
+
+/* Each row's sum of exp(x - row_max[m]) (top-p's normaliser over scores, row_max at least every score) in one pass:
+ * BLOCK running sums, the rest of the row after them, then the running sums added pairwise, so a row's bits are the
+ * same alone or among any rows. */
+void exp_sums_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, const float *row_max, float *out,
+                  int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)
+    for (int64_t m = 0; m < rows; m++) {
+        const float *row = x + m * stride;
+        const float top = row_max[m];
+        lanes_f sums = {0};
+        float rest = 0.0f;
+        int64_t j = 0;
+        for (; j + BLOCK <= cols; j += BLOCK) {
+            lanes_f v;
+            memcpy(&v, row + j, sizeof v);
+            v -= top;
+            exp_lanes(&v);
+            sums += v;
+        }
+        for (; j < cols; j++)
+            rest += row[j] - top < EXP_MIN ? 0.0f : expf(row[j] - top);
+        for (int width = BLOCK / 2; width > 0; width /= 2)
+            for (int l = 0; l < width; l++)
+                sums[l] += sums[l + width];
+        out[m] = sums[0] + rest;
+    }
+}
+
+/* Each row's first largest score's column, as torch's max(dim=-1): the lowest column of the largest score, or of the
+ * first NaN where a row has one. BLOCK lanes keep their own largest and its first column in one pass over the row. */
 
 void first_largest_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_t *out, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows > 1)

@@ -1,6 +1,6 @@
 /* The k best scores of each row and their columns, best first (the sampler's top-k/top-p candidates on CPU), in place
- * of torch.topk's selection: the largest score of each block of 16 in a vectorised pass, the k-th largest of those by
- * quickselect, then only the scores at or above it through a heap. Equal scores rank the lower column first, so the
+ * of torch.topk's selection: the largest score of each block of 16 in a vectorised pass, a bound just below the k-th
+ * largest of those by radix counts, then only the scores at or above it through a heap. Equal scores rank the lower column first, so the
  * k kept are the same whatever the order they are met in. NaN scores are left out while the row has k numbers
  * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way.
  *
@@ -54,40 +54,52 @@ static void select_entries(const entry *from, int64_t n, int64_t k, entry *heap)
         }
 }
 
-/* The k-th largest value among n entries (1 <= k <= n, no NaN), by quickselect on their values, which it reorders. */
-static float kth_largest(entry *e, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1, want = k - 1;   /* descending order: position want */
-    while (lo < hi) {
-        const float pivot = e[lo + (hi - lo) / 2].value;
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (e[i].value > pivot)
-                i++;
-            while (pivot > e[j].value)
-                j--;
-            if (i <= j) {
-                const entry t = e[i];
-                e[i] = e[j];
-                e[j] = t;
-                i++;
-                j--;
-            }
+/* A float's bits as an unsigned key in the floats' order (-inf lowest). */
+static inline uint32_t order_key(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u & 0x80000000u ? ~u : u | 0x80000000u;
+}
+
+static inline float from_key(uint32_t key) {
+    const uint32_t u = key & 0x80000000u ? key & 0x7fffffffu : ~key;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#define RADIX_BITS 11
+#define RADIX (1 << RADIX_BITS)
+
+/* A lower bound of the k-th largest of n values (1 <= k <= n, no NaN) that at most the values sharing its key's top
+ * 2 * RADIX_BITS bits exceed needlessly: the k-th's bucket by the keys' top bits, then by the next ones, counted in
+ * two passes without a data-dependent branch (a quickselect's mispredicted ones made it most of a row's time). */
+static float kth_largest_bound(const float *v, int64_t n, int64_t k) {
+    uint32_t count[RADIX];
+    uint32_t prefix = 0;
+    int64_t above = 0;   /* values in higher buckets than the one being narrowed */
+    for (int level = 0; level < 2; level++) {
+        const int shift = 32 - RADIX_BITS * (level + 1);
+        memset(count, 0, sizeof count);
+        for (int64_t j = 0; j < n; j++) {
+            const uint32_t key = order_key(v[j]);
+            if (level == 0 || key >> (shift + RADIX_BITS) == prefix)
+                count[(key >> shift) & (RADIX - 1)]++;
         }
-        if (want <= j)
-            hi = j;
-        else if (want >= i)
-            lo = i;
-        else
-            break;
+        int bucket = RADIX - 1;
+        while (above + count[bucket] < k)
+            above += count[bucket--];
+        prefix = (prefix << RADIX_BITS) | (uint32_t)bucket;
     }
-    return e[want].value;
+    const float bound = from_key(prefix << (32 - 2 * RADIX_BITS));
+    return bound == bound ? bound : -INFINITY;   /* -inf's bucket's lowest bits spell a NaN */
 }
 
 /* One row. A group of GROUP scores is 16 vectors of 16; the largest of each lane across the group (a vectorised
- * pass) is the top of a "block" of 16 scores a vector apart. The k-th largest block top, t, has at least k scores at
- * or above it, so only scores >= t are candidates: about k blocks' worth on a row of distinct scores. The candidates
+ * pass) is the top of a "block" of 16 scores a vector apart. At or below the k-th largest block top, t has at least
+ * k scores at or above it, so only scores >= t are candidates: about k blocks' worth on a row of distinct scores. The candidates
  * (and the tail past the last whole group) then go through the heap. pool: cols entries; tops: cols / BLOCK. */
-static void row_top_k(const float *x, int64_t cols, int64_t k, entry *heap, entry *pool, entry *tops, float *values,
+static void row_top_k(const float *x, int64_t cols, int64_t k, entry *heap, entry *pool, float *tops, float *values,
                       int64_t *indices) {
     const int64_t groups = cols / GROUP, blocks = groups * BLOCK;
     int64_t n = 0;
@@ -101,12 +113,12 @@ static void row_top_k(const float *x, int64_t cols, int64_t k, entry *heap, entr
                 for (int l = 0; l < BLOCK; l++)
                     top[l] = v[r * BLOCK + l] > top[l] ? v[r * BLOCK + l] : top[l];
             for (int l = 0; l < BLOCK; l++)
-                tops[g * BLOCK + l] = (entry){top[l], g * BLOCK + l};
+                tops[g * BLOCK + l] = top[l];
         }
-        const float t = kth_largest(tops, blocks, k);
-        for (int64_t j = 0; j < blocks; j++)
-            if (tops[j].value >= t) {
-                const int64_t b = tops[j].index, first = (b / BLOCK) * GROUP + b % BLOCK;
+        const float t = kth_largest_bound(tops, blocks, k);
+        for (int64_t b = 0; b < blocks; b++)
+            if (tops[b] >= t) {
+                const int64_t first = (b / BLOCK) * GROUP + b % BLOCK;
                 for (int r = 0; r < BLOCK; r++)
                     if (x[first + r * BLOCK] >= t)
                         pool[n++] = (entry){x[first + r * BLOCK], first + r * BLOCK};
@@ -137,7 +149,7 @@ int top_k_f32(const float *x, int64_t rows, int64_t cols, int64_t stride, int64_
 #pragma omp parallel num_threads(threads) if (rows > 1) reduction(| : failed)
     {
         entry *heap = malloc(sizeof(entry) * (size_t)k), *pool = malloc(sizeof(entry) * (size_t)cols);
-        entry *tops = malloc(sizeof(entry) * (size_t)(cols / BLOCK + 1));
+        float *tops = malloc(sizeof(float) * (size_t)(cols / BLOCK + 1));
         const int ready = heap != NULL && pool != NULL && tops != NULL;
         failed = !ready;
 #pragma omp for schedule(static)

@@ -428,7 +428,8 @@ def test_penalty_reads_a_last_token_still_on_the_device() -> None:
 def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
     taken = []
     draw = sampler_module.draw_candidates
-    monkeypatch.setattr(sampler_module, "draw_candidates", lambda *a: taken.append(1) or draw(*a))
+    monkeypatch.setattr(sampler_module, "draw_candidates", lambda cut, *a: taken.append(cut.values.shape[1])
+                        or draw(cut, *a))
     vocab, rows = 4096, 64
     logits = peaked_logits(rows, vocab, seed=21)
     params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=k, repetition_penalty=1.2) for k in (0, 40) * 32]
@@ -436,6 +437,7 @@ def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.M
     seeds = list(range(rows))
     fast = Sampler()(logits, params, histories, seeds)
     assert taken, "peaked logits keep every nucleus among the candidates"
+    assert max(taken) < sampler_module.CPU_CANDIDATES   # drawn among the widest row's kept tokens only
     full = Sampler(candidates=0)(logits, params, histories, seeds)
     assert torch.equal(fast, full)
 

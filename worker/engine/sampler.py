@@ -443,6 +443,11 @@ class Cutoff:
     weights: torch.Tensor     # [R, width]: exp(values - row max)
     unknown: torch.Tensor     # bool [R, 1]: the cut-off may lie beyond `width` (only when width < vocab)
 
+    def head(self, width: int) -> Cutoff:
+        """The best `width` tokens of each row only."""
+        return replace(self, values=self.values[:, :width], indices=self.indices[:, :width],
+                       weights=self.weights[:, :width])
+
 
 def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: int) -> Cutoff:
     """Top-k then top-p (transformers' order): keep rank r while r < k and the mass above r is below top_p.
@@ -720,7 +725,9 @@ class Sampler:
                           vocab)
             threshold = threshold.index_copy(0, unknown, full.threshold)
         threshold = _raised(threshold, floor)
-        tokens = draw_candidates(cut, threshold, u)
+        # Tokens below every row's cut-off weigh nothing in the draw: it takes the widest row's kept tokens only.
+        kept = int((cut.values >= threshold).sum(dim=1).max())
+        tokens = draw_candidates(cut.head(kept) if 0 < kept < width else cut, threshold, u)
         # Every kept token is a candidate when the best token left out scores below the cut-off (a token tied
         # with the cut-off is kept). Greedy rows take their argmax afterwards.
         beyond = ~(rows.greedy | (cut.values[:, -1] < threshold.squeeze(1)))

@@ -789,9 +789,9 @@ def step_params(sampling: str, seed: int, cap: int):
 
 @contextmanager
 def c_kernels_profiled(device: torch.device) -> Iterator[None]:
-    """On a CPU, each call into the engine's C kernels (attention, w8a8, layer ops, whole layers, top-k) shows in the
-    profiler as a range named "c::<function>", so that their time counts as busy: ctypes calls are no operators of
-    torch's. Nothing is changed on other devices, nor outside the block."""
+    """On a CPU, each call into the engine's C kernels (attention, w8a8, layer ops, whole layers, the sampler's)
+    shows in the profiler as a range named "c::<function>", so that their time counts as busy: ctypes calls are no
+    operators of torch's. Nothing is changed on other devices, nor outside the block."""
     from worker.engine import native
 
     wrapped = []
@@ -800,7 +800,7 @@ def c_kernels_profiled(device: torch.device) -> Iterator[None]:
                            (native.load_int8_rows(), tuple(native.INT8_ARGTYPES)),
                            (native.load_layer_ops(), tuple(native.LAYER_ARGTYPES)),
                            (native.load_layer_step(), ("layer_step",)),
-                           (native.load_top_k(), ("top_k_f32",))):
+                           (native.load_top_k(), ("top_k_f32", "exp_sums_f32", "first_largest_f32"))):
             for name in names if lib is not None else ():
                 call = getattr(lib, name)
 

@@ -148,7 +148,8 @@ sampler|all) # greedy, every knob sampled and the chat's sampling (top-p without
     done
     # the sampler alone over a model's kind of logits (a nucleus of 7-10 tokens): search against device path
     for vocab in 151936 49152; do
-        echo "== sampler-alone-$vocab: python -m bench.sampler --logits peaked --vocab $vocab" | tee -a "$out/commands.txt"
+        echo "== sampler-alone-$vocab: python -m bench.sampler --logits peaked --vocab $vocab" \
+            | tee -a "$out/commands.txt"
         if ! timeout "${RUN_TIMEOUT:-0}" "$py" -m bench.sampler --model "$kit/model" --logits peaked --vocab "$vocab" \
                 --rows 16,64,256 --engine-slots 0 --rebuild-rows 0 --device cuda \
                 --json "$out/sampler-alone-$vocab.json" > "$out/sampler-alone-$vocab.log" 2>&1; then

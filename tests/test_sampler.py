@@ -443,8 +443,8 @@ def test_candidate_path_and_full_sort_give_the_same_tokens(monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("kernel", ["c", "torch"])
-def test_exp_sums_are_top_ps_normaliser_with_the_same_bits_alone_or_in_any_batch(kernel: str, two_threads,
-                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_exp_sums_are_top_ps_normaliser_with_the_same_bits_alone_or_in_any_batch(
+        kernel: str, two_threads, monkeypatch: pytest.MonkeyPatch) -> None:
     if kernel == "c" and native.load_top_k() is None:
         pytest.skip("no C compiler for top_k.c")
     if kernel == "torch":

@@ -1,8 +1,8 @@
 /* The k best scores of each row and their columns, best first (the sampler's top-k/top-p candidates on CPU), in place
  * of torch.topk's selection: the largest score of each block of 16 in a vectorised pass, a bound just below the k-th
- * largest of those by radix counts, then only the scores at or above it through a heap. Equal scores rank the lower column first, so the
- * k kept are the same whatever the order they are met in. NaN scores are left out while the row has k numbers
- * (torch.topk puts them first); a row of NaN logits has no meaningful draw either way.
+ * largest of those by radix counts, then only the scores at or above it through a heap. Equal scores rank the lower
+ * column first, so the k kept are the same whatever the order they are met in. NaN scores are left out while the row
+ * has k numbers (torch.topk puts them first); a row of NaN logits has no meaningful draw either way.
  *
  * Also each row's sum (top-p's normaliser), in one order whatever rows or threads there are, the same of the row's
  * exponentials in one pass, and each row's first largest score's column (greedy decoding's token). */
@@ -97,8 +97,9 @@ static float kth_largest_bound(const float *v, int64_t n, int64_t k) {
 
 /* One row. A group of GROUP scores is 16 vectors of 16; the largest of each lane across the group (a vectorised
  * pass) is the top of a "block" of 16 scores a vector apart. At or below the k-th largest block top, t has at least
- * k scores at or above it, so only scores >= t are candidates: about k blocks' worth on a row of distinct scores. The candidates
- * (and the tail past the last whole group) then go through the heap. pool: cols entries; tops: cols / BLOCK. */
+ * k scores at or above it, so only scores >= t are candidates: about k blocks' worth on a row of distinct scores.
+ * The candidates (and the tail past the last whole group) then go through the heap. pool: cols entries; tops:
+ * cols / BLOCK. */
 static void row_top_k(const float *x, int64_t cols, int64_t k, entry *heap, entry *pool, float *tops, float *values,
                       int64_t *indices) {
     const int64_t groups = cols / GROUP, blocks = groups * BLOCK;

@@ -85,6 +85,19 @@ static void write_kv_half(const float *src, int64_t tok_stride, int64_t head_str
     }
 }
 
+/* A tile's outputs: each (row, head) pair's accumulated values (acc, n = rows * group of them, head_dim apart) times
+ * its softmax's 1 / sum, into the output rows. */
+static inline __attribute__((always_inline)) void write_outputs(const float *acc, const float *inv_sum, int n,
+                                                                int group, int head_dim, int t0, int kvh, float *out,
+                                                                int64_t o_tok, int64_t o_head) {
+    for (int i = 0; i < n; i++) {
+        float *o = out + (int64_t)(t0 + i / group) * o_tok + (int64_t)(kvh * group + i % group) * o_head;
+        const float *a = acc + (int64_t)i * head_dim;
+        #pragma omp simd
+        for (int d = 0; d < head_dim; d++) o[d] = a[d] * inv_sum[i];
+    }
+}
+
 static inline __attribute__((always_inline)) void attend_tile(
         const float *q, int64_t q_tok, int64_t q_head, const void *k_cache, const void *v_cache, int half_kv,
         int64_t num_blocks, int block_size, int group, int head_dim, const int32_t *table, const int32_t *row_pos,
@@ -142,13 +155,7 @@ static inline __attribute__((always_inline)) void attend_tile(
             for (int d = 0; d < head_dim; d++) a[d] += p * vj[d];
         }
     }
-    for (int r = 0; r < rows; r++) {
-        for (int g = 0; g < group; g++) {
-            const int i = r * group + g;
-            float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + g) * o_head;
-            for (int d = 0; d < head_dim; d++) o[d] = acc[(int64_t)i * head_dim + d] * inv_sum[i];
-        }
-    }
+    write_outputs(acc, inv_sum, n, group, head_dim, t0, kvh, out, o_tok, o_head);
 }
 
 #ifdef PAGED_AVX512
@@ -342,14 +349,7 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
             else values_block(chunks, together, kv, 0, scores, stride, i0, nq, k0, j1, head_dim, acc_rows);
         }
     }
-    for (int i = 0; i < n; i++) {
-        const int r = i / group, h = i % group;
-        float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + h) * o_head;
-        const float *a = acc_rows + (int64_t)i * head_dim;
-        const __m512 w = _mm512_set1_ps(inv_sum[i]);
-        for (int c = 0; c < chunks; c++)
-            _mm512_storeu_ps(o + c * LANES, _mm512_mul_ps(_mm512_loadu_ps(a + c * LANES), w));
-    }
+    write_outputs(acc_rows, inv_sum, n, group, head_dim, t0, kvh, out, o_tok, o_head);
 }
 #endif
 
@@ -524,14 +524,7 @@ static inline __attribute__((always_inline)) void attend_tile_avx2(
             }
         }
     }
-    for (int i = 0; i < n; i++) {
-        const int r = i / group, h = i % group;
-        float *o = out + (int64_t)(t0 + r) * o_tok + (int64_t)(kvh * group + h) * o_head;
-        const float *a = acc + (int64_t)i * head_dim;
-        const __m256 w = _mm256_set1_ps(inv_sum[i]);
-        for (int c = 0; c < chunks; c++)
-            _mm256_storeu_ps(o + c * LANES8, _mm256_mul_ps(_mm256_loadu_ps(a + c * LANES8), w));
-    }
+    write_outputs(acc, inv_sum, n, group, head_dim, t0, kvh, out, o_tok, o_head);
 }
 #endif
 

@@ -477,12 +477,19 @@ def cutoff(scores: torch.Tensor, row_max: torch.Tensor, rows: RowParams, width: 
     return Cutoff(threshold, values, indices, weights, unknown)
 
 
+def _row_kernels(x: torch.Tensor):
+    """top_k.c's library where it takes x's rows (2-D float32 on a CPU, each row contiguous), else None."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1:
+        return None
+    return native.load_top_k()
+
+
 def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k best scores, best first, and their columns: torch.topk's, in C on a CPU (top_k.c: block maxima,
-    a quickselect and a heap, 2.6-2.9x faster than torch.topk over SmolLM2's vocabulary), where equal scores keep
-    the lower column first."""
-    lib = native.load_top_k() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
-    if lib is None or scores.dim() != 2 or scores.stride(-1) != 1 or not 0 < k <= scores.shape[1]:
+    a bound by radix counts and a heap, 2.6-2.9x faster than torch.topk over SmolLM2's vocabulary with the
+    quickselect it had before), where equal scores keep the lower column first."""
+    lib = _row_kernels(scores)
+    if lib is None or not 0 < k <= scores.shape[1]:
         return scores.topk(k, dim=-1)
     rows, cols = scores.shape
     values, indices = torch.empty(rows, k), torch.empty(rows, k, dtype=torch.int64)
@@ -498,8 +505,8 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
     sum splits a lone row between threads, and only a lone one; top_k.c sums each row in one thread, and without it
     a running sum's last entry stands in. A device keeps torch's sum (its matmuls do not promise a row the same
     bits in every batch either)."""
-    lib = native.load_top_k() if x.device.type == "cpu" and x.dtype == torch.float32 else None
-    if lib is None or x.dim() != 2 or x.stride(-1) != 1:
+    lib = _row_kernels(x)
+    if lib is None:
         return x.cumsum(dim=-1)[:, -1:] if x.device.type == "cpu" else x.sum(dim=-1, keepdim=True)
     out = torch.empty(x.shape[0], 1)
     lib.row_sums_f32(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(), torch.get_num_threads())
@@ -509,8 +516,8 @@ def row_sums(x: torch.Tensor) -> torch.Tensor:
 def exp_sums(scores: torch.Tensor, row_max: torch.Tensor) -> torch.Tensor:
     """row_sums((scores - row_max).exp()) [R, 1], in one pass on a CPU (top_k.c: a polynomial exp within 2 ulp of
     expf, no row of exponentials made), with row_sums' promise: a row's bits are the same alone or in any batch."""
-    lib = native.load_top_k() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
-    if lib is None or scores.dim() != 2 or scores.stride(-1) != 1:
+    lib = _row_kernels(scores)
+    if lib is None:
         return row_sums((scores - row_max).exp_())
     row_max = row_max.to(torch.float32).contiguous()
     out = torch.empty(scores.shape[0], 1)
@@ -593,9 +600,8 @@ def apply_processors(logits: torch.Tensor, params: Sequence[SamplingParams], his
 def first_largest(scores: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (its first largest score; a NaN's, where a row has one): top_k.c's one pass on a CPU (16
     rows of 49,152: 59 us against max's 217), else max's indices (on a CPU a third of argmax's time)."""
-    lib = native.load_top_k() if scores.device.type == "cpu" and scores.dtype == torch.float32 else None
-    if lib is None or scores.dim() != 2 or scores.stride(-1) != 1 or scores.shape[1] == 0 \
-            or scores.shape[1] >= 2**31:
+    lib = _row_kernels(scores)
+    if lib is None or scores.shape[1] == 0 or scores.shape[1] >= 2**31:
         return scores.max(dim=-1).indices
     out = torch.empty(scores.shape[0], dtype=torch.int64)
     lib.first_largest_f32(scores.data_ptr(), scores.shape[0], scores.shape[1], scores.stride(0), out.data_ptr(),

@@ -154,12 +154,14 @@ class LLMEngine:
 
     def make_sequence(self, request_id: str, prompt_token_ids: list[int] | None = None,
                       messages: list[dict] | None = None, params: SamplingParams | None = None,
-                      arrival_time: float | None = None, service_class: str = "standard") -> Sequence:
+                      arrival_time: float | None = None, service_class: str = "standard",
+                      continued: list[int] | None = None) -> Sequence:
         """Validate a request and build its state; raises InvalidRequestError or InvalidParamsError.
 
         Returns the first choice; `group` holds all n. A structure is compiled here, in the caller's thread (once
         per distinct structure: later requests copy the compiled matcher). service_class: one of
-        SERVICE_CLASSES, which the scheduler serves in order (scheduler.py)."""
+        SERVICE_CLASSES, which the scheduler serves in order (scheduler.py). `continued`: the first tokens of
+        the answer, written before (by a worker that stopped mid-answer); see _continue."""
         params = params or SamplingParams()
         params.validate()
         if service_class not in SERVICE_CLASSES:
@@ -212,14 +214,48 @@ class LLMEngine:
         for seq in group:
             seq.group = group
             seq.detokenizer.armed = params.min_tokens == 0 and seq.matcher is None
+        if continued:
+            self._continue(group[0], list(continued))
         return group[0]
+
+    def _continue(self, seq: Sequence, tokens: list[int]) -> None:
+        """Start the answer with `tokens`: they count as generated (for max_new_tokens, min_tokens, penalties,
+        DRY, stop strings, the grammar and usage), are computed with the prompt, and their text goes out with
+        the first new token's delta, so the deltas still add up to the answer's whole text."""
+        params = seq.params
+        if params.n != 1:
+            raise InvalidRequestError("Only a request with one choice (n = 1) can continue an earlier answer.")
+        if params.logprobs is not None:
+            raise InvalidRequestError("An answer with log-probabilities cannot continue from tokens given without "
+                                      "theirs; generate it again instead.")
+        if len(tokens) >= params.max_new_tokens:
+            raise InvalidRequestError(f"The answer to continue already has {len(tokens)} tokens; max_new_tokens "
+                                      f"({params.max_new_tokens}) leaves none to add.")
+        total = seq.num_prompt_tokens + len(tokens)
+        if total >= min(self.max_model_len, self.blocks.num_blocks * self.config.block_size):
+            raise InvalidRequestError(f"The prompt and the answer to continue are {total} tokens, more than the "
+                                      "model's context (or the KV cache) holds.")
+        outside = sorted(t for t in tokens if not 0 <= t < self.vocab)
+        if outside:
+            raise InvalidRequestError(f"The answer to continue names token ids the model does not have: "
+                                      f"{outside[:5]}.")
+        if seq.matcher is not None and not seq.matcher.consume_tokens(tokens):
+            raise InvalidRequestError(f"The answer to continue does not fit its structure: "
+                                      f"{seq.matcher.get_error()}")
+        seq.token_ids.extend(tokens)
+        detokenizer, armed = seq.detokenizer, seq.detokenizer.armed
+        detokenizer.armed = False   # text written before is not searched for stop strings again
+        seq.replay = detokenizer.push(tokens)
+        detokenizer.armed = armed
 
     # ---- synchronous API: the caller drives step() -------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
                     messages: list[dict] | None = None, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, service_class: str = "standard") -> Sequence:
-        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class)
+                    arrival_time: float | None = None, service_class: str = "standard",
+                    continued: list[int] | None = None) -> Sequence:
+        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class,
+                                 continued)
         self._enqueue(seq)
         return seq
 
@@ -531,6 +567,8 @@ class LLMEngine:
             # its grammar is complete, so a stop string cannot cut a structured value short.
             seq.detokenizer.armed = True
         text = seq.detokenizer.push_token(token)
+        if seq.replay:
+            text, seq.replay = seq.replay + text, ""
         events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt)]
         if seq.detokenizer.stopped:
@@ -560,6 +598,8 @@ class LLMEngine:
             del self.seqs[seq.request_id]
         events: list[Event] = []
         tail = seq.detokenizer.flush()
+        if seq.replay:   # ended before a new token: the continued text still goes out
+            tail, seq.replay = seq.replay + tail, ""
         if tail:
             events.append(TokenDelta(seq.request_id, tail, [], index=seq.index))
         events.append(RequestFinished(
@@ -637,9 +677,10 @@ class LLMEngine:
     def submit(self, request_id: str, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, params: SamplingParams | None = None,
                arrival_time: float | None = None, outbox: queue.Queue[list[Event]] | None = None,
-               service_class: str = "standard") -> RequestStream:
+               service_class: str = "standard", continued: list[int] | None = None) -> RequestStream:
         """Queue a request from any thread; bad requests raise here, in the caller's thread."""
-        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class)
+        seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class,
+                                 continued)
         stream = RequestStream(self, request_id, outbox)
         with self._lock:
             if self._stopping or self._thread is None:

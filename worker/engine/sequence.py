@@ -55,6 +55,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)   # per prompt token, when asked
     service_class: str = "standard"                      # one of SERVICE_CLASSES
     early_params: SamplingParams | None = None           # drawn with until min_tokens: params with EOS masked out
+    replay: str = ""                                     # text of continued tokens, sent with the first new one
 
     def __post_init__(self) -> None:
         if not self.token_ids:

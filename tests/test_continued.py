@@ -1,0 +1,86 @@
+"""An answer continued from its first tokens (a worker stopped mid-answer): it ends as the whole answer would have."""
+
+from __future__ import annotations
+
+import pytest
+
+from structured import Structure
+from tests.test_engine import QUESTIONS, chat_ids, no_fallbacks, run_all  # noqa: F401
+from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+
+# The chat's own sampling (worker settings' defaults), with OpenAI's penalties on top: every one of them reads the
+# answer's tokens so far, so the continued tokens must count as the answer's.
+CHAT = dict(temperature=0.7, top_p=0.9, dry_multiplier=0.8, dry_include_prompt=False, presence_penalty=0.6,
+            frequency_penalty=0.4, repetition_penalty=1.2, seed=5, max_new_tokens=40, ignore_eos=True)
+JSON = Structure({"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                                   "qty": {"type": "integer"}},
+                  "required": ["name", "qty"], "additionalProperties": False})
+
+
+def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | None = None):
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+    engine.add_request("other", prompt_token_ids=chat_ids(tok, QUESTIONS[0]),
+                       params=SamplingParams(temperature=1.0, max_new_tokens=12))
+    engine.add_request("me", prompt_token_ids=ids, params=params, continued=continued)
+    results, deltas = run_all(engine)
+    return results["me"], deltas["me"]
+
+
+def test_a_continued_answer_draws_the_tokens_the_whole_answer_drew(tiny):
+    _, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[3])
+    whole, _ = answer(tiny, ids, SamplingParams(**CHAT))
+    assert len(whole.token_ids) == 40
+    for k in (1, 17, 39):
+        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=whole.token_ids[:k])
+        assert done.token_ids == whole.token_ids, k
+        assert done.text == whole.text == "".join(deltas), "the deltas add up to the whole answer, continued text too"
+        assert deltas[0].startswith(tok.decode(whole.token_ids[:k])), "the continued text goes out first"
+        assert (done.completion_tokens, done.prompt_tokens, done.finish_reason) == (40, len(ids), "length")
+    # The same tokens as part of the prompt instead: the penalties and DRY no longer see them as the answer's,
+    # and the draw goes elsewhere (so the comparison above can fail).
+    k = 17
+    as_prompt, _ = answer(tiny, ids + whole.token_ids[:k], SamplingParams(**{**CHAT, "max_new_tokens": 40 - k}))
+    assert as_prompt.token_ids != whole.token_ids[k:]
+
+
+def test_a_continued_structured_answer_keeps_its_grammar(tiny):
+    _, tok = tiny
+    ids = chat_ids(tok, "An order line as JSON")
+    params = dict(temperature=1.0, seed=3, max_new_tokens=60)
+    whole, _ = answer(tiny, ids, SamplingParams(**params, structure=JSON))
+    assert whole.finish_reason == "stop" and len(whole.token_ids) > 6
+    done, _ = answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=whole.token_ids[:5])
+    assert (done.token_ids, done.text, done.finish_reason) == (whole.token_ids, whole.text, "stop")
+    with pytest.raises(InvalidRequestError, match="does not fit its structure"):
+        answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=tok.encode("no json", add_special_tokens=False))
+
+
+def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):
+    _, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[2])
+    start = tok.encode(" Yes, we ship there", add_special_tokens=False)
+    # Its stop string comes with the next tokens at the latest: the text written before is never searched again.
+    done, deltas = answer(tiny, ids, SamplingParams(temperature=0.0, max_new_tokens=len(start) + 1, stop=["ship"]),
+                          continued=start)
+    assert done.text.startswith(" Yes, we ship there") and "".join(deltas) == done.text
+    assert done.completion_tokens == len(start) + 1
+
+
+@pytest.mark.parametrize("change, error", [
+    (dict(n=2), "one choice"),
+    (dict(logprobs=2), "log-probabilities"),
+    (dict(max_new_tokens=2), "leaves none"),
+])
+def test_what_cannot_continue_is_refused_with_the_reason(tiny, change, error):
+    _, tok = tiny
+    params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 20, **change})
+    start = tok.encode(" Hello there", add_special_tokens=False)
+    assert len(start) == 2
+    with pytest.raises(InvalidRequestError, match=error):
+        answer(tiny, chat_ids(tok, "Hi"), params, continued=start)
+    with pytest.raises(InvalidRequestError, match="model does not have"):
+        answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=20), continued=[len(tok) + 5])
+    with pytest.raises(InvalidRequestError, match="context"):
+        answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=10_000), continued=[7] * 600)

@@ -66,6 +66,12 @@ def streamed_key(request_id: str) -> str:
     return f"supportbot:streamed:{request_id}"
 
 
+def shown_key(request_id: str) -> str:
+    """What clients were sent of a request's answer, as a list of pieces (worker/continuation.py) beside its count
+    in streamed_key: a redelivery goes on from those tokens. Deleted with the answer's end."""
+    return f"supportbot:shown:{request_id}"
+
+
 def snapshot_key(worker: str) -> str:
     """A worker's latest metrics exposition."""
     return METRICS_PREFIX + worker

@@ -165,3 +165,42 @@ def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_
     publisher.outbox.put([TokenDelta("d", "Bc", [9], index=1), replace(finished("d", "Bc"), index=1)])
     assert answer.wait().index == 1 and [e.text for e in answer.ordered()] == ["A", "Bc"]
     assert int(r.get(streamed_key("d"))) == 1, "the stream position is choice 0's"
+
+
+def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
+    """What a redelivery goes on from (worker/continuation.py): the text as sent, a lead the worker wrote apart from
+    the model's tokens, a character's first bytes with the token that finished it; other choices are not kept."""
+    from messaging.contract import shown_key
+    from worker.continuation import Shown
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
+    answer = publisher.track(job("s"), 0)
+    emoji = ids(" 👋")
+    assert len(emoji) > 1, "the test needs a character written by more than one token"
+    steps = [[TokenDelta("s", "Order 12 shipped. ", [])], [TokenDelta("s", "It", ids("It"))],
+             [TokenDelta("s", "", emoji[:1])], [TokenDelta("s", " 👋", emoji[1:]), TokenDelta("s", "x", [5], index=1)],
+             [TokenDelta("s", " arrives", ids(" arrives"))]]
+    for step in steps:
+        publisher.outbox.put(step)
+        time.sleep(0.05)
+    publisher.outbox.put([finished("s", "")])
+    answer.ends.get(timeout=5)   # handed over after its text was sent
+    shown = Shown.read(r.lrange(shown_key("s"), 0, -1), int(r.get(streamed_key("s"))))
+    assert shown.text == "Order 12 shipped. It 👋 arrives"
+    lead, written = shown.split_lead()
+    assert lead == "Order 12 shipped. " and written.text == "It 👋 arrives"
+    assert written.pieces[0][1] == ids("It"), "the recorded tokens, not the text tokenized again"
+    assert written.tokens(tokenizer) == ids("It") + emoji + ids(" arrives")
+    assert Shown.read(r.lrange(shown_key("s"), 0, -1), 5) is None, "a record short of what was sent is not used"
+
+    # A redelivery that showed "Hello," before: the text and tokens after it are added.
+    answer = publisher.track(job("t"), shown=6)
+    for text in ("Hello", ", world"):
+        publisher.outbox.put([TokenDelta("t", text, ids(text))])
+        time.sleep(0.05)
+    publisher.outbox.put([finished("t", "")])
+    answer.ends.get(timeout=5)
+    assert [json.loads(e) for e in r.lrange(shown_key("t"), 0, -1)] == [[[" world", ids(", world")]]]

@@ -110,7 +110,18 @@ def long_model_dir(tmp_path, tokenizer):
     return make_tiny_model_dir(tmp_path / "long", tokenizer, max_position_embeddings=8192)
 
 
-def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir):
+@pytest.fixture()
+def next_model_dir(tmp_path, tokenizer):
+    """The model a deploy brings: the same tokenizer and shape, other weights. Generated again from the start, an
+    answer would not begin as the customer already read it."""
+    return make_tiny_model_dir(tmp_path / "next", tokenizer, seed=1, max_position_embeddings=8192)
+
+
+def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir, next_model_dir):
+    import redis
+
+    from messaging.contract import shown_key
+
     # Without grounding's lead, whose answers end at their first line break: on the random model that came within
     # 100-350 tokens, at times before the grace was over, and nothing was left to hand back.
     url = stack.web_with(MAX_NEW_TOKENS="1500", CHAT_GROUNDING="off")
@@ -130,7 +141,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         code = worker.wait(60)   # bounded: the grace period, then the hand-back
         print(f"\nthe worker exited {time.monotonic() - stopped_at:.1f} s after SIGTERM with code {code}")
         handed_back = "back to the queue" in (stack.workdir / "worker.log").read_text()
-        stack.start_worker(MODEL=str(long_model_dir))
+        stack.start_worker(MODEL=str(next_model_dir))   # a deploy: the answers go on with other weights
         streams = [events + collect(client, 300) for client, events in zip(clients, seen)]   # 1500 tokens each, on a busy machine too
     finally:
         for client in clients:
@@ -138,9 +149,12 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         stack.kill_worker()
         stack.start_worker()   # the session's worker, on the session's model, for the tests that follow
     assert handed_back, "no answer was still running when the grace period ended"
+    r = redis.Redis.from_url(stack.env["REDIS_URL"])
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]
         assert name == "done" and done["finish_reason"] in ("stop", "length"), events[-1]
+        # The text each customer read first is where the answer goes on from, and the stream adds up to it.
         assert "".join(d["text"] for n, d in events if n == "token") == done["text"]
         with db() as s:
             assert [m.content for m in s.query(Message).filter_by(request_id=acc["request_id"])] == [done["text"]]
+        assert not r.exists(shown_key(acc["request_id"])), "the record of what was shown goes with the answer's end"

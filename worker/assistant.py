@@ -17,7 +17,8 @@ from messaging.grounding import JOB_FIELD, Grounding
 from messaging.jobs import service_class
 from structured import Structure, StreamParser, Tool, ToolCall
 from structured.tools import Delta, forced
-from worker import order_tool
+from worker import continuation, order_tool
+from worker.continuation import Shown
 from worker.grounding import Grounded, ground
 from worker.engine import Event, RequestFinished, SamplingParams, TokenDelta
 from worker.prompts import fit_to_context
@@ -92,10 +93,11 @@ class Relay:
     def send(self, deltas: list[Delta]) -> bool:
         return self.show("".join(d.content for d in deltas if d.content))
 
-    def show(self, text: str) -> bool:
-        if text:
+    def show(self, text: str, tokens: list[int] | None = None) -> bool:
+        """Send `text`, written by `tokens` (none: text the worker wrote, or the model's with its calls taken out)."""
+        if text or tokens:
             self.parts.append(text)
-            self.outbox.put([TokenDelta(self.request_id, text, [])])
+            self.outbox.put([TokenDelta(self.request_id, text, list(tokens or ()))])
         return bool(text)
 
     @property
@@ -108,11 +110,12 @@ class Relay:
 
 def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingParams, first: Structure | None,
              relay: Relay, was_cancelled: Callable[[], bool], grounded: Grounded | None = None,
-             lead: bool = False) -> RequestFinished:
+             lead: bool = False, shown: Shown | None = None) -> RequestFinished:
     """Generate until an answer calls no tool (at most MAX_TOOL_ROUNDS rounds of calls); the calls and results go
     in `job["tool_messages"]` for the answer's record, and one RequestFinished sums the generations. A cancel
     found between rounds (`was_cancelled`) ends it. The lookups in `grounded` come first; with `lead`, the first
-    answer the customer sees starts with their sentence."""
+    answer the customer sees starts with their sentence. `shown`: what an earlier delivery showed the customer;
+    without tools the answer is one generation, which goes on from it (its lead as it was shown, too)."""
     rid, messages, specs = job["request_id"], list(job["messages"]), job.get("tools") or []
     offered = {t.name for t in tools}
     rounds: list[RequestFinished] = []
@@ -121,6 +124,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
     if grounded is not None:
         messages, exchange = grounded.messages(messages), grounded.stored()
     lead_text = grounded.lead if grounded is not None and lead else ""
+    resumed = shown if not tools else None   # with tools, the text shown may come from any round
     cancelled = False
     for n in range(MAX_TOOL_ROUNDS + 1):
         if n and was_cancelled():   # stopped while a tool ran
@@ -130,22 +134,29 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         params = replace(base, structure=structure,
                          max_new_tokens=max(base.max_new_tokens, CALL_TOKENS) if structure else base.max_new_tokens)
         reserve = min(params.max_new_tokens, rt.engine.max_model_len // 4)
-        led = bool(lead_text) and structure is None   # the answer starts with the facts; the model goes on from there
-        lead_ids = rt.engine.tokenizer(lead_text + " ", add_special_tokens=False)["input_ids"] if led else []
+        # The answer starts with the facts; the model goes on from there.
+        opening = lead_text + " " if lead_text and structure is None else ""
+        continued = None
+        if resumed is not None and structure is None:   # as it was shown: its lead, then the model's tokens
+            shown_lead, written = resumed.split_lead()
+            continued = written.tokens(rt.engine.tokenizer, params.skip_special_tokens)
+            if continued is not None:
+                opening, resumed = shown_lead, None
+        lead_ids = rt.engine.tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
         _, ids = fit_to_context(rt.engine, messages, reserve + len(lead_ids), tools=specs)
-        if led:
-            relay.show(lead_text + " ")
+        if opening:
+            relay.show(opening)
             ids, lead_text = ids + lead_ids, ""
             params = without_numbers(replace(params, stop=(*params.stop, *LEAD_STOPS)), rt.engine.tokenizer)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
-        stream = rt.engine.submit(rid, prompt_token_ids=ids, params=params, arrival_time=job.get("enqueued_at"),
-                                  service_class=service_class(job))
+        stream = continuation.submit(rt.engine, rid, ids, continued, params=params,
+                                     arrival_time=job.get("enqueued_at"), service_class=service_class(job))
         parser, seen = StreamParser(f"{rid}:{n}"), False
         last: RequestFinished | None = None
         for event in stream:
             if isinstance(event, TokenDelta):
                 # Without tools nothing the model writes is a call: its text goes to the customer as it is.
-                seen |= relay.send(parser.feed(event.text)) if tools else relay.show(event.text)
+                seen |= relay.send(parser.feed(event.text)) if tools else relay.show(event.text, event.token_ids)
             elif isinstance(event, RequestFinished):
                 last = event
         if tools:

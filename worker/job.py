@@ -11,14 +11,15 @@ import redis
 from celery.exceptions import Reject
 from sqlalchemy.exc import IntegrityError
 
-from messaging.contract import cancelled_key, streamed_key
+from messaging.contract import cancelled_key, shown_key, streamed_key
 from messaging.generation import Generation, GenerationError
 from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TEMPLATE, TOOLS, replayable, service_class
 from messaging.prompts import TemplateOptions
 from messaging.stream import STARTED
 from models import Message, RequestRecord
 from structured import Structure, StructureError, Tool, ToolError
-from worker import assistant
+from worker import assistant, continuation
+from worker.continuation import Shown
 from worker.ends import api_fields, combined, echoed_prompt, outcome
 from worker.engine import InvalidParamsError, InvalidRequestError, RequestFinished, SamplingParams
 from worker.prompts import TemplateRefused, completion_ids, fit_to_context
@@ -102,16 +103,18 @@ class Job:
         if self.spec.get(HTTP_REQUEST_ID):
             log.info("answering %s (x-request-id %s)", self.request_id, self.spec[HTTP_REQUEST_ID])
         self.announce_start()
-        # A redelivered request regenerates the same tokens (its seed was fixed when it was accepted),
-        # so the customer's stream resumes after what an earlier delivery already showed.
+        # A redelivered request goes on from the tokens an earlier delivery showed, and its stream resumes after
+        # their characters. Where it cannot (worker/continuation.py), it is generated again: the same tokens
+        # where the numerics are the same (its seed was fixed when it was accepted).
         shown = self.streamed_chars()
-        pending = self.with_tools(shown) if assistant.serves(self.spec) else self.submit(shown)
+        earlier = self.shown_answer(shown) if shown else None
+        pending = self.with_tools(shown, earlier) if assistant.serves(self.spec) else self.submit(shown, earlier)
         if pending is not None:
             self.conclude(pending)
 
     # ---- generating ---------------------------------------------------------------------------------
 
-    def submit(self, shown: int) -> Answer | None:
+    def submit(self, shown: int, earlier: Shown | None = None) -> Answer | None:
         """The answer under way, or None when the request was answered with an error (or is already running)."""
         job, engine = self.spec, self.rt.engine
         try:
@@ -124,18 +127,20 @@ class Job:
                 _, prompt_ids = fit_to_context(engine, job["messages"], reserve=reserve, tools=job.get(TOOLS),
                                                options=TemplateOptions.from_json(job.get(TEMPLATE)))
             echo = self.prompt_text(prompt_ids) if job.get(ECHO) else None
-            return self.start(prompt_ids, params, shown, echo)
+            continued = earlier.tokens(engine.tokenizer, params.skip_special_tokens) if earlier else None
+            return self.start(prompt_ids, params, shown, echo, continued)
         except (InvalidRequestError, InvalidParamsError, StructureError, GenerationError) as exc:
             if "already in use" in str(exc):   # the same request is being answered in this process
                 return None
             self.fail(refusal_code(exc, self.spec), str(exc))
             return None
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, shown: int, echo: str | None = None) -> Answer | None:
+    def start(self, prompt_ids: list[int], params: SamplingParams, shown: int, echo: str | None = None,
+              continued: list[int] | None = None) -> Answer | None:
         """Submit the request to the engine; its text streams out from the publisher's thread, past the first
-        `shown` characters (what clients were sent by an earlier delivery). `echo`: the prompt's text, for a
-        client that asked for it before the answer. Bad requests raise here; None when this worker is answering
-        the request already."""
+        `shown` characters (what clients were sent by an earlier delivery, written by `continued`). `echo`: the
+        prompt's text, for a client that asked for it before the answer. Bad requests raise here; None when this
+        worker is answering the request already."""
         publisher = self.rt.publisher
         answer = publisher.track(self.spec, shown)
         if answer is None:
@@ -146,15 +151,15 @@ class Job:
             answer.echo_waits = params.prompt_logprobs is not None
         try:
             # Queued by acceptance time: the task threads hand requests over in no particular order.
-            self.rt.engine.submit(self.request_id, prompt_token_ids=prompt_ids, params=params,
-                                  arrival_time=self.spec.get("enqueued_at"), outbox=publisher.outbox,
-                                  service_class=service_class(self.spec))
+            continuation.submit(self.rt.engine, self.request_id, prompt_ids, continued, params=params,
+                                arrival_time=self.spec.get("enqueued_at"), outbox=publisher.outbox,
+                                service_class=service_class(self.spec))
         except BaseException:
             publisher.forget(self.request_id)
             raise
         return answer
 
-    def with_tools(self, shown: int) -> Answer | None:
+    def with_tools(self, shown: int, earlier: Shown | None = None) -> Answer | None:
         """A chat message whose assistant has tools or grounded answers: the lookups and tool rounds run here, and
         only the text meant for the customer streams out. None when the request was answered with an error or is
         running already."""
@@ -175,7 +180,7 @@ class Job:
         try:
             grounded = assistant.look_up(self.rt, job, grounding) if grounding else None
             done = assistant.converse(self.rt, job, tools, base, first, relay, self.was_cancelled, grounded,
-                                      lead=grounding is not None and grounding.mode == "lead")
+                                      lead=grounding is not None and grounding.mode == "lead", shown=earlier)
         except (InvalidRequestError, InvalidParamsError) as exc:
             publisher.forget(self.request_id)
             self.fail(refusal_code(exc, self.spec), str(exc))
@@ -224,6 +229,17 @@ class Job:
         rt = self.rt
         return int(rt.redis_retrying(lambda: rt.redis.get(streamed_key(self.request_id)), "reading a stream position")
                    or 0)
+
+    def shown_answer(self, chars: int) -> Shown | None:
+        """What an earlier delivery showed of the answer, with the tokens that wrote it; None without a record of
+        all `chars` characters."""
+        rt = self.rt
+        entries = rt.redis_retrying(lambda: rt.redis.lrange(shown_key(self.request_id), 0, -1),
+                                    "reading what was shown of an answer")
+        earlier = Shown.read(entries, chars)
+        if earlier is None:
+            log.info("no record of the %d characters shown of %s: generating it again", chars, self.request_id)
+        return earlier
 
     def was_cancelled(self) -> bool:
         rt = self.rt

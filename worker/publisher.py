@@ -11,12 +11,26 @@ from dataclasses import dataclass, field
 
 import redis
 
-from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, streamed_key
+from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, shown_key, streamed_key
 from messaging.stream import encode_batch, event_for
+from worker import continuation
 from worker.engine import Event, RequestFinished, TokenDelta, TokenLogprob
 from worker.token_json import TokenJson
 
 log = logging.getLogger(__name__)
+
+# Each window's stream positions and records of what was shown (worker/continuation.py), for every request in one
+# command: KEYS are each request's streamed_key and shown_key, ARGV the time they are kept, then each request's
+# position and record (empty: none).
+RECORD = """
+for i = 1, #KEYS, 2 do
+    redis.call('SET', KEYS[i], ARGV[i + 1], 'EX', ARGV[1])
+    if ARGV[i + 2] ~= '' then
+        redis.call('RPUSH', KEYS[i + 1], ARGV[i + 2])
+        redis.call('EXPIRE', KEYS[i + 1], ARGV[1])
+    end
+end
+"""
 
 # Text is sent at most this often (per worker, for all requests together), unless something cannot wait:
 # a request's first text, or the end of an answer. Slower engine steps are sent as each one comes.
@@ -83,8 +97,10 @@ class Publisher:
         self.answers: dict[str, Answer] = {}
         self.lock = threading.Lock()
         self.blind = False   # text deltas are failing to reach Redis
-        # (request id, choice) -> text not sent yet, in order, and the log-probabilities of its tokens
-        self.pending: dict[tuple[str, int], tuple[list[str], list[TokenLogprob]]] = {}
+        # (request id, choice) -> text not sent yet, in order, the log-probabilities of its tokens and, for
+        # choice 0, the tokens behind each part of the text (its record: worker/continuation.py)
+        self.pending: dict[tuple[str, int], tuple[list[str], list[TokenLogprob], list[list[int]]]] = {}
+        self.unwritten: dict[str, list[int]] = {}   # request id -> choice 0's tokens whose text has not come yet
         self.sent_at = 0.0   # monotonic time of the last send
         self.batches = 0     # messages published, for tests and benchmarks
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
@@ -131,14 +147,20 @@ class Publisher:
                 key = (event.request_id, event.index)
                 held = self.pending.get(key)
                 if held is None:
-                    held = self.pending[key] = ([], [])
+                    held = self.pending[key] = ([], [], [])
                     with self.lock:
                         answer = self.answers.get(event.request_id)
                     urgent |= answer is not None and not answer.produced.get(event.index)   # its first text
                 held[0].append(event.text)
                 held[1].extend(event.logprobs or ())
+                if event.index == 0:
+                    held[2].append(self.unwritten.pop(event.request_id, []) + event.token_ids)
+            elif isinstance(event, TokenDelta) and event.token_ids and event.index == 0:
+                # A character's first bytes: its text comes with a later token, which carries these too.
+                self.unwritten.setdefault(event.request_id, []).extend(event.token_ids)
             elif isinstance(event, RequestFinished):
                 urgent = True   # its last text goes out before its end can
+                self.unwritten.pop(event.request_id, None)
         if self.pending and (urgent or time.monotonic() - self.sent_at >= self.window_s):
             self.flush()
         self._hand_over_ends(events)   # after the text: a request's end is never sent before its last delta
@@ -148,19 +170,25 @@ class Publisher:
         self.sent_at = time.monotonic()
         with self.lock:
             answers = {rid: self.answers.get(rid) for rid, _ in pending}
-        deltas = [(answer, index, unseen, logprobs) for (rid, index), (parts, logprobs) in pending.items()
-                  if (answer := answers[rid]) is not None
-                  and (unseen := answer.unseen("".join(parts), index, carries=bool(logprobs)))]
+        deltas = []
+        for (rid, index), (parts, logprobs, tokens) in pending.items():
+            answer, joined = answers[rid], "".join(parts)
+            unseen = answer.unseen(joined, index, carries=bool(logprobs)) if answer is not None else None
+            if unseen is not None:   # choice 0's text is recorded, less what an earlier delivery showed
+                shown = continuation.record(list(zip(parts, tokens)), len(joined) - len(unseen[0])) \
+                    if index == 0 and unseen[0] else ""
+                deltas.append((answer, index, unseen, logprobs, shown))
         if deltas:
             self.send(deltas)
 
-    def send(self, deltas: list[tuple[Answer, int, tuple[str, int], list[TokenLogprob]]]) -> None:
+    def send(self, deltas: list[tuple[Answer, int, tuple[str, int], list[TokenLogprob], str]]) -> None:
         """Every request's text delta in one message, and the stream positions after them, in one transaction:
         a worker killed here has either shown a text and recorded its position, or neither, so a redelivery
-        never shows text twice, even to a client that ignores offsets. While Redis is down the deltas are lost
-        (the final event carries the whole text, and clients see the gap in the offsets)."""
-        events, pipe = [], self.redis.pipeline(transaction=True)
-        for answer, index, (text, offset), logprobs in deltas:
+        never shows text twice, even to a client that ignores offsets. Choice 0's text is recorded too, with the
+        tokens that wrote it, so that a redelivery goes on from them (worker/continuation.py). While Redis is down
+        the deltas are lost (the final event carries the whole text, and clients see the gap in the offsets)."""
+        events, pipe, keys, positions = [], self.redis.pipeline(transaction=True), [], []
+        for answer, index, (text, offset), logprobs, shown in deltas:
             rid = answer.job["request_id"]
             data = {"request_id": rid, "text": text, "offset": offset}
             if index:
@@ -174,7 +202,10 @@ class Publisher:
                 answer.echoed = True
             events.append(event_for(answer.job, "token", data))
             if index == 0:
-                pipe.set(streamed_key(rid), offset + len(text), ex=STREAMED_TTL_S)
+                keys += (streamed_key(rid), shown_key(rid))
+                positions += (offset + len(text), shown)
+        if keys:
+            pipe.eval(RECORD, len(keys), *keys, STREAMED_TTL_S, *positions)
         pipe.publish(STREAM_CHANNEL, encode_batch(events))
         try:
             pipe.execute()

@@ -1,0 +1,97 @@
+"""An answer handed back mid-stream goes on from what its customer was shown: the record of it, and the tokens to
+continue from."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+from worker.engine import InvalidRequestError, LLMEngine, RequestStream
+
+log = logging.getLogger(__name__)
+
+
+def record(parts: list[tuple[str, list[int]]], skip: int) -> str:
+    """The record of a sent delta made of `parts` (each delta's text and the tokens that wrote it), less its first
+    `skip` characters (shown by an earlier delivery): a JSON list of [text, tokens], one per run of parts that all
+    have tokens or all have none (text the worker wrote itself, such as a grounded answer's lead)."""
+    if not skip and all(tokens for _, tokens in parts):   # the common case: one run of the model's tokens
+        return json.dumps([["".join(text for text, _ in parts), [t for _, tokens in parts for t in tokens]]],
+                          ensure_ascii=False, separators=(",", ":"))
+    runs: list[list] = []
+    carried: list[int] = []   # tokens of a part without text (a character's first bytes): the next part's
+    for text, tokens in parts:
+        if skip and skip >= len(text):
+            skip -= len(text)
+            continue
+        # A part cut by `skip` keeps its tokens: they then write more than its text, and tokens() finds that out.
+        text, skip, tokens, carried = text[skip:], 0, carried + tokens, []
+        if not text:
+            carried = tokens
+        elif runs and bool(runs[-1][1]) == bool(tokens):
+            runs[-1][0] += text
+            runs[-1][1] += tokens
+        else:
+            runs.append([text, list(tokens)])
+    return json.dumps(runs, ensure_ascii=False, separators=(",", ":"))
+
+
+@dataclass
+class Shown:
+    """Choice 0's text as its clients were sent it, in pieces: each piece's text and the tokens that wrote it."""
+
+    pieces: list[tuple[str, list[int]]]
+
+    @classmethod
+    def read(cls, entries: list[bytes | str], chars: int) -> Shown | None:
+        """The record as Redis keeps it; None when it does not hold the `chars` characters clients were sent (it
+        expired, or a worker that kept none sent them)."""
+        pieces = [(text, list(tokens)) for entry in entries for text, tokens in json.loads(entry)]
+        shown = cls(pieces)
+        return shown if pieces and len(shown.text) == chars else None
+
+    @property
+    def text(self) -> str:
+        return "".join(text for text, _ in self.pieces)
+
+    def split_lead(self) -> tuple[str, Shown]:
+        """The text at the start that no tokens wrote (a grounded answer's lead), and the rest."""
+        n = 0
+        while n < len(self.pieces) and not self.pieces[n][1]:
+            n += 1
+        return "".join(text for text, _ in self.pieces[:n]), Shown(self.pieces[n:])
+
+    def tokens(self, tokenizer, skip_special_tokens: bool = True) -> list[int] | None:
+        """Tokens that write exactly this text: each piece's own where they write it, the piece's text tokenized
+        again where they do not (a delta cut by an earlier redelivery, a model with another vocabulary). None when
+        no tokens write it."""
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+        def encode(text: str) -> list[int]:
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+        ids: list[int] = []
+        for text, tokens in self.pieces:
+            ids += tokens if tokens and decode(tokens) == text else encode(text)
+        if decode(ids) == self.text:
+            return ids
+        ids = encode(self.text)
+        return ids if decode(ids) == self.text else None
+
+
+def submit(engine: LLMEngine, request_id: str, prompt_ids: list[int], continued: list[int] | None,
+           **kwargs) -> RequestStream:
+    """engine.submit, the answer going on after `continued` (what an earlier delivery showed) where the engine can
+    continue it; where it cannot (say the answer asks for log-probabilities, or already has every token it may),
+    the answer is generated again from its start, as the stream resumes after the characters shown."""
+    if continued:
+        try:
+            return engine.submit(request_id, prompt_token_ids=prompt_ids, continued=continued, **kwargs)
+        except InvalidRequestError as exc:
+            if "already in use" in str(exc):
+                raise
+            log.warning("%s cannot go on from the %d tokens shown before (%s); generating it again", request_id,
+                        len(continued), exc)
+    return engine.submit(request_id, prompt_token_ids=prompt_ids, **kwargs)

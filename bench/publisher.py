@@ -4,7 +4,8 @@ its thread and Redis spend to stream every answer (and keep the record a redeliv
 A stand-in engine puts one step's deltas for every request in the outbox at a fixed rate (by default 256
 requests at 100 steps a second, 25,600 tokens a second), each delta a token with its text, as the engine makes
 them. Printed: the steps' tokens a second the publisher kept up with, the worker process's and Redis's CPU time
-per second of the run, and the messages sent. Run it on two checkouts to compare them.
+per second of the run, the messages sent, and whether every answer's stream position and record read back whole.
+Run it on two checkouts to compare them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 import redis
 
+from messaging.contract import shown_key, streamed_key
+from worker.continuation import Shown
 from worker.engine import RequestFinished, TokenDelta
 from worker.local_redis import start_redis
 from worker.publisher import Publisher
@@ -47,8 +50,14 @@ def run(r: redis.Redis, requests: int, rate: float, seconds: float) -> dict[str,
     for answer in answers.values():
         answer.ends.get(timeout=60)
     wall = time.perf_counter() - wall0
+    # Every answer's position and record, read back: what a redelivery would go on from.
+    chars, tokens = len(" word") * steps, [1000 + step % 5000 for step in range(steps)]
+    complete = all(int(r.get(streamed_key(rid))) == chars
+                   and (shown := Shown.read(r.lrange(shown_key(rid), 0, -1), chars)) is not None
+                   and [t for _, ids in shown.pieces for t in ids] == tokens for rid in answers)
     return {"tok/s": requests * steps / wall, "cpu": (time.process_time() - cpu0) / wall,
-            "redis": (redis_cpu(r) - redis0) / wall, "messages": publisher.batches, "wall": wall}
+            "redis": (redis_cpu(r) - redis0) / wall, "messages": publisher.batches, "wall": wall,
+            "complete": complete}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
             for _ in range(args.repeats):
                 got = run(r, args.requests, args.rate, args.seconds)
                 print(f"  {got['tok/s']:9,.0f} tok/s over {got['wall']:.2f} s; worker process CPU "
-                      f"{got['cpu']:.3f} s/s; redis CPU {got['redis']:.3f} s/s; {got['messages']} messages")
+                      f"{got['cpu']:.3f} s/s; redis CPU {got['redis']:.3f} s/s; {got['messages']} messages; "
+                      f"records {'complete' if got['complete'] else 'INCOMPLETE'}")
                 r.flushall()
         finally:
             proc.terminate()

@@ -488,6 +488,14 @@ def test_keyspace_bench_finds_the_workers_each_way_and_prints_the_ratio(capsys):
     assert len(lines) == 2 and "2,003 keys" in lines[1]
 
 
+def test_publisher_bench_streams_every_answer_and_reads_back_whole_records(capsys):
+    from bench import publisher
+
+    publisher.main(["--requests", "8", "--rate", "50", "--seconds", "0.4", "--repeats", "1"])
+    [line] = [line for line in capsys.readouterr().out.splitlines() if "tok/s" in line]
+    assert "records complete" in line
+
+
 def test_int8_matmul_bench_checks_each_kernel_against_torch_and_times_every_row_count(tiny_config, capsys):
     from bench import int8_matmul
 

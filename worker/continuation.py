@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from json.encoder import encode_basestring
 
 from worker.engine import InvalidRequestError, LLMEngine, RequestStream
 
@@ -16,9 +17,9 @@ def record(parts: list[tuple[str, list[int]]], skip: int) -> str:
     """The record of a sent delta made of `parts` (each delta's text and the tokens that wrote it), less its first
     `skip` characters (shown by an earlier delivery): a JSON list of [text, tokens], one per run of parts that all
     have tokens or all have none (text the worker wrote itself, such as a grounded answer's lead)."""
-    if not skip and all(tokens for _, tokens in parts):   # the common case: one run of the model's tokens
-        return json.dumps([["".join(text for text, _ in parts), [t for _, tokens in parts for t in tokens]]],
-                          ensure_ascii=False, separators=(",", ":"))
+    if not skip and all(tokens for _, tokens in parts):   # the common case, for every request of every window
+        text = encode_basestring("".join(text for text, _ in parts))
+        return f"[[{text},[{','.join(str(t) for _, tokens in parts for t in tokens)}]]]"
     runs: list[list] = []
     carried: list[int] = []   # tokens of a part without text (a character's first bytes): the next part's
     for text, tokens in parts:

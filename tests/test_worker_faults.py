@@ -149,6 +149,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         stack.kill_worker()
         stack.start_worker()   # the session's worker, on the session's model, for the tests that follow
     assert handed_back, "no answer was still running when the grace period ended"
+    assert "goes on from the" in (stack.workdir / "worker.log").read_text(), "no answer continued from its tokens"
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]

@@ -89,7 +89,9 @@ def submit(engine: LLMEngine, request_id: str, prompt_ids: list[int], continued:
     the answer is generated again from its start, as the stream resumes after the characters shown."""
     if continued:
         try:
-            return engine.submit(request_id, prompt_token_ids=prompt_ids, continued=continued, **kwargs)
+            stream = engine.submit(request_id, prompt_token_ids=prompt_ids, continued=continued, **kwargs)
+            log.info("%s goes on from the %d tokens shown before", request_id, len(continued))
+            return stream
         except InvalidRequestError as exc:
             if "already in use" in str(exc):
                 raise

@@ -496,6 +496,17 @@ def test_publisher_bench_streams_every_answer_and_reads_back_whole_records(capsy
     assert "records complete" in line
 
 
+def test_continued_bench_shows_the_seam_a_regenerated_answer_would_have(tiny_model_dir, tmp_path, tokenizer, capsys):
+    from bench import continued
+
+    other = make_tiny_model_dir(tmp_path / "next", tokenizer, seed=1)
+    got = continued.main(["--model", str(tiny_model_dir), "--next-model", str(other), "--weights", "float32",
+                          "--next-weights", "float32", "--shown", "8", "--max-new-tokens", "16"])
+    assert got["continued"].startswith(got["shown"]) and got["continued"] != got["shown"]
+    assert got["parted"] < 8 and not got["regenerated"].startswith(got["continued"][:len(got["shown"]) + 8])
+    assert "continued starts with what was shown: True" in capsys.readouterr().out
+
+
 def test_int8_matmul_bench_checks_each_kernel_against_torch_and_times_every_row_count(tiny_config, capsys):
     from bench import int8_matmul
 

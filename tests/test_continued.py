@@ -53,8 +53,9 @@ def test_a_continued_structured_answer_keeps_its_grammar(tiny):
     assert whole.finish_reason == "stop" and len(whole.token_ids) > 6
     done, _ = answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=whole.token_ids[:5])
     assert (done.token_ids, done.text, done.finish_reason) == (whole.token_ids, whole.text, "stop")
+    not_json = tok.encode("no json", add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="does not fit its structure"):
-        answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=tok.encode("no json", add_special_tokens=False))
+        answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=not_json)
 
 
 def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):

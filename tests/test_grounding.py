@@ -251,7 +251,7 @@ def test_a_grounded_answer_handed_back_goes_on_from_the_lead_and_tokens_the_cust
     try:
         whole, deltas = answer("NW-10043")
         sent = deltas[:6]   # the lead and five of the model's deltas reached the customer
-        shown = continuation.Shown.read([continuation.record([(d.text, d.token_ids) for d in sent], 0)],
+        shown = continuation.Shown.read([continuation.record([(d.text, continuation.tokens_of(d)) for d in sent], 0)],
                                         sum(len(d.text) for d in sent))
         assert shown.split_lead()[0] == sent[0].text and sent[0].text.startswith("Order NW-10043")
         again, _ = answer("NW-10043", shown)
@@ -260,3 +260,50 @@ def test_a_grounded_answer_handed_back_goes_on_from_the_lead_and_tokens_the_cust
         engine.shutdown()
     assert again == whole
     assert other.startswith(shown.text) and len(other) > len(shown.text)
+
+
+def test_a_tool_answer_handed_back_goes_on_from_what_the_customer_saw(sessions, tiny, tmp_path, tokenizer):
+    """With the order tool forced (the reliable choice on a small model) the first generation is the call, hidden
+    from the customer, and the second the answer they read: a redelivery makes the call again and goes on from the
+    answer's shown tokens, on the same weights to the same end, on other weights from the same start."""
+    import queue
+    from types import SimpleNamespace
+
+    from messaging import chat_tools
+    from structured import Tool
+    from tests.tiny_model import make_tiny_model_dir
+    from worker import assistant, continuation
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams, TokenDelta
+    from worker.model_loader import load_model
+
+    tools = [Tool.from_openai(chat_tools.ORDER_TOOL, "tools[0]")]
+    first = assistant.first_structure(tools, chat_tools.LOOKUP_ORDER)
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is my order?"}]
+    engines = [LLMEngine.launch(lambda pair=pair: LLMEngine(*pair, EngineConfig(max_num_seqs=2, num_blocks=64)))
+               for pair in (tiny, load_model(str(make_tiny_model_dir(tmp_path / "next", tokenizer, seed=1))))]
+
+    def answer(engine: LLMEngine, shown: continuation.Shown | None = None) -> tuple[str, list[TokenDelta]]:
+        outbox: queue.Queue = queue.Queue()
+        relay = assistant.Relay(outbox, "r1")
+        rt = SimpleNamespace(engine=engine, sessions=sessions, sql_retrying=lambda read, what: read())
+        job = {"request_id": "r1", "messages": messages, "tools": [chat_tools.ORDER_TOOL]}
+        done = assistant.converse(rt, job, tools, SamplingParams(temperature=0, max_new_tokens=24), first, relay,
+                                  lambda: False, shown=shown)
+        assert [role for role, _ in job["tool_messages"]] == ["tool_call", "tool"] and done.finish_reason != "error"
+        return relay.text, [e for events in outbox.queue for e in events if isinstance(e, TokenDelta) and e.text]
+
+    try:
+        whole, deltas = answer(engines[0])
+        sent = deltas[:5]
+        shown = continuation.Shown.read([continuation.record([(d.text, continuation.tokens_of(d)) for d in sent], 0)],
+                                        sum(len(d.text) for d in sent))
+        assert shown.split_lead()[0] == "" and all(tokens for _, tokens in shown.pieces)
+        again, _ = answer(engines[0], shown)
+        other, _ = answer(engines[1], shown)
+        fresh, _ = answer(engines[1])
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    assert again == whole
+    assert other.startswith(shown.text) and len(other) > len(shown.text)
+    assert not fresh.startswith(shown.text), "the other weights' own answer starts elsewhere"

@@ -171,7 +171,7 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     """What a redelivery goes on from (worker/continuation.py): the text as sent, a lead the worker wrote apart from
     the model's tokens, a character's first bytes with the token that finished it; other choices are not kept."""
     from messaging.contract import shown_key
-    from worker.continuation import Shown
+    from worker.continuation import Shown, Written
 
     def ids(text: str) -> list[int]:
         return tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -180,7 +180,7 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     answer = publisher.track(job("s"), 0)
     emoji = ids(" 👋")
     assert len(emoji) > 1, "the test needs a character written by more than one token"
-    steps = [[TokenDelta("s", "Order 12 shipped. ", [])], [TokenDelta("s", "It", ids("It"))],
+    steps = [[Written("s", "Order 12 shipped. ", [])], [TokenDelta("s", "It", ids("It"))],
              [TokenDelta("s", "", emoji[:1])], [TokenDelta("s", " 👋", emoji[1:]), TokenDelta("s", "x", [5], index=1)],
              [TokenDelta("s", " arrives", ids(" arrives"))]]
     for step in steps:

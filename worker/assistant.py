@@ -90,15 +90,23 @@ class Relay:
         self.outbox, self.request_id = outbox, request_id
         self.parts: list[str] = []
 
-    def send(self, deltas: list[Delta]) -> bool:
-        return self.show("".join(d.content for d in deltas if d.content))
+    def send(self, deltas: list[Delta], text: str = "", tokens: list[int] | None = None) -> bool:
+        """Send the text a tool parser took out of the model's `text`; `tokens` wrote `text`, and so the part sent
+        where it is all of it."""
+        content = "".join(d.content for d in deltas if d.content)
+        return self.show(content, tokens if content == text and tokens else [])
 
-    def show(self, text: str, tokens: list[int] | None = None) -> bool:
-        """Send `text`, written by `tokens` (none: text the worker wrote, or the model's with its calls taken out)."""
+    def show(self, text: str, tokens: list[int]) -> bool:
+        """Send the model's `text`, written by `tokens` (empty: not known)."""
         if text or tokens:
             self.parts.append(text)
-            self.outbox.put([TokenDelta(self.request_id, text, list(tokens or ()))])
+            self.outbox.put([TokenDelta(self.request_id, text, list(tokens))])
         return bool(text)
+
+    def write(self, text: str) -> None:
+        """Send text the worker wrote itself (a grounded answer's lead)."""
+        self.parts.append(text)
+        self.outbox.put([continuation.Written(self.request_id, text, [])])
 
     @property
     def text(self) -> str:
@@ -114,8 +122,8 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
     """Generate until an answer calls no tool (at most MAX_TOOL_ROUNDS rounds of calls); the calls and results go
     in `job["tool_messages"]` for the answer's record, and one RequestFinished sums the generations. A cancel
     found between rounds (`was_cancelled`) ends it. The lookups in `grounded` come first; with `lead`, the first
-    answer the customer sees starts with their sentence. `shown`: what an earlier delivery showed the customer;
-    without tools the answer is one generation, which goes on from it (its lead as it was shown, too)."""
+    answer the customer sees starts with their sentence. `shown`: what an earlier delivery showed the customer; the
+    first generation that may write to the customer goes on from it, its lead as it was shown."""
     rid, messages, specs = job["request_id"], list(job["messages"]), job.get("tools") or []
     offered = {t.name for t in tools}
     rounds: list[RequestFinished] = []
@@ -124,7 +132,6 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
     if grounded is not None:
         messages, exchange = grounded.messages(messages), grounded.stored()
     lead_text = grounded.lead if grounded is not None and lead else ""
-    resumed = shown if not tools else None   # with tools, the text shown may come from any round
     cancelled = False
     for n in range(MAX_TOOL_ROUNDS + 1):
         if n and was_cancelled():   # stopped while a tool ran
@@ -137,15 +144,15 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         # The answer starts with the facts; the model goes on from there.
         opening = lead_text + " " if lead_text and structure is None else ""
         continued = None
-        if resumed is not None and structure is None:   # as it was shown: its lead, then the model's tokens
-            shown_lead, written = resumed.split_lead()
+        if shown is not None and structure is None:   # as it was shown: its lead, then the model's tokens
+            shown_lead, written = shown.split_lead()
             continued = written.tokens(rt.engine.tokenizer, params.skip_special_tokens)
             if continued is not None:
-                opening, resumed = shown_lead, None
+                opening, shown = shown_lead, None
         lead_ids = rt.engine.tokenizer(opening, add_special_tokens=False)["input_ids"] if opening else []
         _, ids = fit_to_context(rt.engine, messages, reserve + len(lead_ids), tools=specs)
         if opening:
-            relay.show(opening)
+            relay.write(opening)
             ids, lead_text = ids + lead_ids, ""
             params = without_numbers(replace(params, stop=(*params.stop, *LEAD_STOPS)), rt.engine.tokenizer)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
@@ -156,7 +163,8 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         for event in stream:
             if isinstance(event, TokenDelta):
                 # Without tools nothing the model writes is a call: its text goes to the customer as it is.
-                seen |= relay.send(parser.feed(event.text)) if tools else relay.show(event.text, event.token_ids)
+                seen |= relay.send(parser.feed(event.text), event.text, event.token_ids) if tools \
+                    else relay.show(event.text, event.token_ids)
             elif isinstance(event, RequestFinished):
                 last = event
         if tools:

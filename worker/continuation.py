@@ -8,15 +8,31 @@ import logging
 from dataclasses import dataclass
 from json.encoder import encode_basestring
 
-from worker.engine import InvalidRequestError, LLMEngine, RequestStream
+from worker.engine import InvalidRequestError, LLMEngine, RequestStream, TokenDelta
 
 log = logging.getLogger(__name__)
 
 
-def record(parts: list[tuple[str, list[int]]], skip: int) -> str:
-    """The record of a sent delta made of `parts` (each delta's text and the tokens that wrote it), less its first
-    `skip` characters (shown by an earlier delivery): a JSON list of [text, tokens], one per run of parts that all
-    have tokens or all have none (text the worker wrote itself, such as a grounded answer's lead)."""
+class Written(TokenDelta):
+    """Text the worker wrote itself (a grounded answer's lead), sent as the model's is: a redelivery shows it again
+    as it was, and never takes it for the model's."""
+
+
+def tokens_of(delta: TokenDelta) -> list[int] | None:
+    """The tokens that wrote a delta's text as its record keeps them: None for the worker's own."""
+    return None if isinstance(delta, Written) else delta.token_ids
+
+
+def _kind(tokens: list[int] | None) -> bool | None:
+    """None: the worker's own text; False: the model's, its tokens not known (a tool parser's output); True: the
+    model's with its tokens."""
+    return None if tokens is None else bool(tokens)
+
+
+def record(parts: list[tuple[str, list[int] | None]], skip: int) -> str:
+    """The record of a sent delta made of `parts` (each delta's text and the tokens that wrote it; None for the
+    worker's own text), less its first `skip` characters (shown by an earlier delivery): a JSON list of
+    [text, tokens or null], one per run of parts of one _kind."""
     if not skip and all(tokens for _, tokens in parts):   # the common case, for every request of every window
         text = encode_basestring("".join(text for text, _ in parts))
         return f"[[{text},[{','.join(str(t) for _, tokens in parts for t in tokens)}]]]"
@@ -27,28 +43,32 @@ def record(parts: list[tuple[str, list[int]]], skip: int) -> str:
             skip -= len(text)
             continue
         # A part cut by `skip` keeps its tokens: they then write more than its text, and tokens() finds that out.
-        text, skip, tokens, carried = text[skip:], 0, carried + tokens, []
+        text, skip = text[skip:], 0
+        if tokens is not None:
+            tokens, carried = carried + tokens, []
         if not text:
-            carried = tokens
-        elif runs and bool(runs[-1][1]) == bool(tokens):
+            carried = tokens or []
+        elif runs and _kind(runs[-1][1]) == _kind(tokens):
             runs[-1][0] += text
-            runs[-1][1] += tokens
+            if tokens is not None:
+                runs[-1][1] += tokens
         else:
-            runs.append([text, list(tokens)])
+            runs.append([text, None if tokens is None else list(tokens)])
     return json.dumps(runs, ensure_ascii=False, separators=(",", ":"))
 
 
 @dataclass
 class Shown:
-    """Choice 0's text as its clients were sent it, in pieces: each piece's text and the tokens that wrote it."""
+    """Choice 0's text as its clients were sent it, in pieces: each piece's text and the tokens that wrote it (none
+    known: an empty list; None: the worker's own text)."""
 
-    pieces: list[tuple[str, list[int]]]
+    pieces: list[tuple[str, list[int] | None]]
 
     @classmethod
     def read(cls, entries: list[bytes | str], chars: int) -> Shown | None:
         """The record as Redis keeps it; None when it does not hold the `chars` characters clients were sent (it
         expired, or a worker that kept none sent them)."""
-        pieces = [(text, list(tokens)) for entry in entries for text, tokens in json.loads(entry)]
+        pieces = [(text, tokens) for entry in entries for text, tokens in json.loads(entry)]
         shown = cls(pieces)
         return shown if pieces and len(shown.text) == chars else None
 
@@ -57,9 +77,9 @@ class Shown:
         return "".join(text for text, _ in self.pieces)
 
     def split_lead(self) -> tuple[str, Shown]:
-        """The text at the start that no tokens wrote (a grounded answer's lead), and the rest."""
+        """The text at the start that the worker wrote (a grounded answer's lead), and the rest."""
         n = 0
-        while n < len(self.pieces) and not self.pieces[n][1]:
+        while n < len(self.pieces) and self.pieces[n][1] is None:
             n += 1
         return "".join(text for text, _ in self.pieces[:n]), Shown(self.pieces[n:])
 

@@ -99,7 +99,7 @@ class Publisher:
         self.blind = False   # text deltas are failing to reach Redis
         # (request id, choice) -> text not sent yet, in order, the log-probabilities of its tokens and, for
         # choice 0, the tokens behind each part of the text (its record: worker/continuation.py)
-        self.pending: dict[tuple[str, int], tuple[list[str], list[TokenLogprob], list[list[int]]]] = {}
+        self.pending: dict[tuple[str, int], tuple[list[str], list[TokenLogprob], list[list[int] | None]]] = {}
         self.unwritten: dict[str, list[int]] = {}   # request id -> choice 0's tokens whose text has not come yet
         self.sent_at = 0.0   # monotonic time of the last send
         self.batches = 0     # messages published, for tests and benchmarks
@@ -154,7 +154,8 @@ class Publisher:
                 held[0].append(event.text)
                 held[1].extend(event.logprobs or ())
                 if event.index == 0:
-                    held[2].append(self.unwritten.pop(event.request_id, []) + event.token_ids)
+                    tokens = continuation.tokens_of(event)   # None: the worker's own text
+                    held[2].append(tokens if tokens is None else self.unwritten.pop(event.request_id, []) + tokens)
             elif isinstance(event, TokenDelta) and event.token_ids and event.index == 0:
                 # A character's first bytes: its text comes with a later token, which carries these too.
                 self.unwritten.setdefault(event.request_id, []).extend(event.token_ids)

@@ -153,9 +153,10 @@ class Publisher:
                     urgent |= answer is not None and not answer.produced.get(event.index)   # its first text
                 held[0].append(event.text)
                 held[1].extend(event.logprobs or ())
-                if event.index == 0:
-                    tokens = continuation.tokens_of(event)   # None: the worker's own text
-                    held[2].append(tokens if tokens is None else self.unwritten.pop(event.request_id, []) + tokens)
+                if event.index == 0:   # the tokens behind the text (none for the worker's own), those carried too
+                    carried = self.unwritten.pop(event.request_id, None) if self.unwritten else None
+                    tokens = continuation.tokens_of(event)
+                    held[2].append(carried + tokens if carried and tokens is not None else tokens)
             elif isinstance(event, TokenDelta) and event.token_ids and event.index == 0:
                 # A character's first bytes: its text comes with a later token, which carries these too.
                 self.unwritten.setdefault(event.request_id, []).extend(event.token_ids)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from structured import Structure
@@ -85,3 +87,23 @@ def test_what_cannot_continue_is_refused_with_the_reason(tiny, change, error):
         answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=20), continued=[len(tok) + 5])
     with pytest.raises(InvalidRequestError, match="context"):
         answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=10_000), continued=[7] * 600)
+
+
+def test_the_record_of_what_was_shown_reads_back_into_the_tokens_that_wrote_it(tokenizer):
+    """worker/continuation.py's record: the worker's own text apart, a cut piece and another vocabulary's tokens
+    written again from their text, a generation's end left out."""
+    from worker.continuation import Shown, record
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    eos = tokenizer.eos_token_id
+    parts = [("Order 7 shipped. ", None), ("It", ids("It")), ("", [eos]), (" comes", ids(" comes")),
+             (" today", [99_999_999])]
+    shown = Shown.read([record(parts[:2], 0), record(parts[2:], 0)], len("Order 7 shipped. It comes today"))
+    lead, written = shown.split_lead()
+    assert (lead, written.text) == ("Order 7 shipped. ", "It comes today")
+    assert written.tokens(tokenizer) == ids("It") + ids(" comes") + ids(" today")
+    # A redelivery that had shown "Order 7 shipped. I": the rest of "It" is recorded with the tokens of all of it.
+    assert json.loads(record(parts[:2], len("Order 7 shipped. I"))) == [["t", ids("It")]]
+    assert Shown([("t", ids("It"))]).tokens(tokenizer) == ids("t")

@@ -91,8 +91,8 @@ class Relay:
         self.parts: list[str] = []
 
     def send(self, deltas: list[Delta], text: str = "", tokens: list[int] | None = None) -> bool:
-        """Send the text a tool parser took out of the model's `text`; `tokens` wrote `text`, and so the part sent
-        where it is all of it."""
+        """Send what a tool parser let through of the model's `text` (written by `tokens`): with those tokens where
+        it is the whole text, else with none known."""
         content = "".join(d.content for d in deltas if d.content)
         return self.show(content, tokens if content == text and tokens else [])
 

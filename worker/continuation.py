@@ -86,7 +86,10 @@ class Shown:
     def tokens(self, tokenizer, skip_special_tokens: bool = True) -> list[int] | None:
         """Tokens that write exactly this text: each piece's own where they write it, the piece's text tokenized
         again where they do not (a delta cut by an earlier redelivery, a model with another vocabulary). None when
-        no tokens write it."""
+        no tokens write it. Special tokens recorded (an earlier generation's end, before a tool's result) are left
+        out: the answer goes on from its text."""
+        special = set(tokenizer.all_special_ids)
+
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -95,6 +98,7 @@ class Shown:
 
         ids: list[int] = []
         for text, tokens in self.pieces:
+            tokens = [t for t in tokens or () if t not in special]
             ids += tokens if tokens and decode(tokens) == text else encode(text)
         if decode(ids) == self.text:
             return ids

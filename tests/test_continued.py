@@ -25,6 +25,7 @@ def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | 
     engine.add_request("other", prompt_token_ids=chat_ids(tok, QUESTIONS[0]),
                        params=SamplingParams(temperature=1.0, max_new_tokens=12))
     engine.add_request("me", prompt_token_ids=ids, params=params, continued=continued)
+    assert engine.stats().continued == (1 if continued else 0)   # the operators' count of continued answers
     results, deltas = run_all(engine)
     return results["me"], deltas["me"]
 

@@ -37,7 +37,7 @@ def finished(rid: str, admitted: float | None, first: float | None, end: float, 
 def stats(running: int = 2, waiting: int = 1) -> EngineStats:
     return EngineStats(running=running, waiting=waiting, kv_blocks_used=30, kv_blocks_free=70, kv_blocks_total=100,
                        steps=500, preemptions=3, prefix_cache_hit_tokens=640, prefix_cache_query_tokens=1000,
-                       last_batch_seqs=2, last_batch_tokens=9)
+                       last_batch_seqs=2, last_batch_tokens=9, continued=4)
 
 
 def parse(text: str) -> dict[str, list]:
@@ -105,6 +105,7 @@ def test_observe_puts_each_timing_in_its_bucket():
     assert value(fams, "supportbot_num_preemptions_total") == 3
     assert value(fams, "supportbot_prefix_cache_hit_tokens_total") == 640
     assert value(fams, "supportbot_prefix_cache_query_tokens_total") == 1000
+    assert value(fams, "supportbot_continued_requests_total") == 4
 
 
 def test_latencies_are_labelled_by_class_with_each_class_objective_and_its_attainment(monkeypatch):

@@ -62,6 +62,8 @@ class _EngineCollector:
             ("supportbot_prefix_cache_query_tokens", "Prompt tokens looked up in the prefix cache.",
              s.prefix_cache_query_tokens),
             ("supportbot_engine_steps", "Forward passes the engine has run.", s.steps),
+            ("supportbot_continued_requests", "Requests handed back mid-answer (a worker stopped) that went on from "
+             "the tokens their customer was shown.", s.continued),
         )
         for name, doc, value in counters:
             yield CounterMetricFamily(name, doc, value=value)

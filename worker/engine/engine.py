@@ -117,6 +117,7 @@ class LLMEngine:
         self.grammars = Grammars(tokenizer, self.eos_ids, self.vocab)
         self.seqs: dict[str, Sequence] = {}   # request id -> its first choice (`group` holds them all)
         self.steps = 0
+        self.num_continued = 0   # requests that went on from an earlier delivery's tokens
         self.last_batch = (0, 0)
         self._in_flight: InFlight | None = None   # overlapped steps: the last step's tokens, still on the device
         # Threaded mode: other threads only touch these, under the lock; the loop thread drains them.
@@ -263,6 +264,7 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise InvalidRequestError(f"Request id {seq.request_id!r} is already in use; use a new id.")
         self.seqs[seq.request_id] = seq
+        self.num_continued += seq.num_completion_tokens > 0
         for choice in seq.group:
             self.scheduler.add(choice)
 
@@ -635,6 +637,7 @@ class LLMEngine:
             kv_blocks_used=self.blocks.num_used, kv_blocks_free=self.blocks.num_free,
             kv_blocks_total=self.blocks.num_blocks, steps=self.steps,
             preemptions=self.scheduler.num_preemptions, class_preemptions=self.scheduler.num_class_preemptions,
+            continued=self.num_continued,
             prefix_cache_hit_tokens=self.blocks.prefix_hit_tokens,
             prefix_cache_query_tokens=self.blocks.prefix_query_tokens,
             last_batch_seqs=self.last_batch[0], last_batch_tokens=self.last_batch[1])

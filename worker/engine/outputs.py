@@ -91,6 +91,7 @@ class EngineStats:
     last_batch_seqs: int
     last_batch_tokens: int
     class_preemptions: int = 0          # of the preemptions, those that started a waiting interactive request
+    continued: int = 0                  # requests that went on from an earlier delivery's tokens
 
     @property
     def kv_usage(self) -> float:

@@ -19,9 +19,9 @@ JSON = Structure({"type": "object", "properties": {"name": {"type": "string", "m
                   "required": ["name", "qty"], "additionalProperties": False})
 
 
-def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | None = None):
+def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | None = None, overlap: bool = False):
     model, tok = tiny
-    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64))
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64, overlap_steps=overlap))
     engine.add_request("other", prompt_token_ids=chat_ids(tok, QUESTIONS[0]),
                        params=SamplingParams(temperature=1.0, max_new_tokens=12))
     engine.add_request("me", prompt_token_ids=ids, params=params, continued=continued)
@@ -30,13 +30,14 @@ def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | 
     return results["me"], deltas["me"]
 
 
-def test_a_continued_answer_draws_the_tokens_the_whole_answer_drew(tiny):
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_a_continued_answer_draws_the_tokens_the_whole_answer_drew(tiny, overlap):
     _, tok = tiny
     ids = chat_ids(tok, QUESTIONS[3])
     whole, _ = answer(tiny, ids, SamplingParams(**CHAT))
     assert len(whole.token_ids) == 40
     for k in (1, 17, 39):
-        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=whole.token_ids[:k])
+        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=whole.token_ids[:k], overlap=overlap)
         assert done.token_ids == whole.token_ids, k
         assert done.text == whole.text == "".join(deltas), "the deltas add up to the whole answer, continued text too"
         assert deltas[0].startswith(tok.decode(whole.token_ids[:k])), "the continued text goes out first"

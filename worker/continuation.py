@@ -1,5 +1,4 @@
-"""An answer handed back mid-stream goes on from what its customer was shown: the record of it, and the tokens to
-continue from."""
+"""A handed-back answer goes on from what its customer was shown: the record of that text and its tokens."""
 
 from __future__ import annotations
 

@@ -42,6 +42,8 @@ def test_a_continued_answer_draws_the_tokens_the_whole_answer_drew(tiny, overlap
         assert done.text == whole.text == "".join(deltas), "the deltas add up to the whole answer, continued text too"
         assert deltas[0].startswith(tok.decode(whole.token_ids[:k])), "the continued text goes out first"
         assert (done.completion_tokens, done.prompt_tokens, done.finish_reason) == (40, len(ids), "length")
+        # Its TPOT and the worker's generated-token count cover the tokens this delivery wrote.
+        assert done.continued_tokens == k and (done.tpot is None) == (40 - k < 2)
     # The same tokens as part of the prompt instead: the penalties and DRY no longer see them as the answer's,
     # and the draw goes elsewhere (so the comparison above can fail).
     k = 17

@@ -108,6 +108,20 @@ def test_observe_puts_each_timing_in_its_bucket():
     assert value(fams, "supportbot_continued_requests_total") == 4
 
 
+def test_a_continued_answer_counts_only_the_tokens_this_worker_wrote():
+    """An answer handed back mid-stream and continued (worker/continuation.py): 9 of its 11 tokens came from an
+    earlier delivery, so this worker generated 2, one 0.3 s after its first."""
+    from dataclasses import replace
+
+    m = WorkerMetrics("w1", "tiny")
+    m.observe({"enqueued_at": 100.0}, replace(finished("c", admitted=100.2, first=100.5, end=100.8, tokens=11),
+                                              continued_tokens=9))
+    fams = parse(m.exposition(stats()).decode())
+    assert value(fams, "supportbot_generation_tokens_total") == 2
+    assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.2"] == 0
+    assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.3"] == 1
+
+
 def test_latencies_are_labelled_by_class_with_each_class_objective_and_its_attainment(monkeypatch):
     monkeypatch.setenv("TTFT_OBJECTIVE_INTERACTIVE_S", "0.5")
     m = WorkerMetrics("w1", "tiny")

@@ -217,4 +217,5 @@ def combined(rid: str, rounds: list[RequestFinished], text: str, visible_from: R
         cached_tokens=sum(r.cached_tokens for r in rounds), arrival_time=first.arrival_time,
         admitted_time=first.admitted_time, first_token_time=(visible_from or last).first_token_time,
         finished_time=last.finished_time, preemptions=sum(r.preemptions for r in rounds), error=last.error,
+        continued_tokens=sum(r.continued_tokens for r in rounds),
         mean_batch_size=sum(r.mean_batch_size * w for r, w in zip(rounds, weights)) / sum(weights))

@@ -125,7 +125,7 @@ class WorkerMetrics:
         self.e2e.labels(cls).observe(max(0.0, done.finished_time - start))
         self.success.labels(done.finish_reason).inc()
         self.prompt_tokens.inc(done.prompt_tokens)
-        self.generation_tokens.inc(done.completion_tokens)
+        self.generation_tokens.inc(done.completion_tokens - done.continued_tokens)   # this worker's own
 
     def exposition(self, stats: EngineStats | None) -> bytes:
         self.engine.stats = stats

@@ -244,6 +244,7 @@ class LLMEngine:
             raise InvalidRequestError(f"The answer to continue does not fit its structure: "
                                       f"{seq.matcher.get_error()}")
         seq.token_ids.extend(tokens)
+        seq.continued = len(tokens)
         detokenizer, armed = seq.detokenizer, seq.detokenizer.armed
         detokenizer.armed = False   # text written before is not searched for stop strings again
         seq.replay = detokenizer.push(tokens)
@@ -264,7 +265,7 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise InvalidRequestError(f"Request id {seq.request_id!r} is already in use; use a new id.")
         self.seqs[seq.request_id] = seq
-        self.num_continued += seq.num_completion_tokens > 0
+        self.num_continued += seq.continued > 0
         for choice in seq.group:
             self.scheduler.add(choice)
 
@@ -614,7 +615,7 @@ class LLMEngine:
             preemptions=seq.num_preemptions, error=error, finished=last, index=seq.index,
             logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
             prompt_logprobs=seq.prompt_logprobs_result(), prompt_token_ids=list(seq.prompt_token_ids),
-            stop_reason=self._stop_reason(seq) if reason == "stop" else None))
+            stop_reason=self._stop_reason(seq) if reason == "stop" else None, continued_tokens=seq.continued))
         return events
 
     def _stop_reason(self, seq: Sequence) -> str | int | None:

@@ -54,6 +54,7 @@ class RequestFinished:
     # What ended a "stop": the stop string matched or the stop token drawn; None for EOS, a grammar's end or any
     # other reason (vLLM's stop_reason).
     stop_reason: str | int | None = None
+    continued_tokens: int = 0   # of completion_tokens, those an earlier delivery wrote (LLMEngine.submit's continued)
 
     @property
     def queue_wait(self) -> float | None:
@@ -65,9 +66,10 @@ class RequestFinished:
 
     @property
     def tpot(self) -> float | None:
-        if self.first_token_time is None or self.completion_tokens < 2:
+        generated = self.completion_tokens - self.continued_tokens
+        if self.first_token_time is None or generated < 2:
             return None
-        return (self.finished_time - self.first_token_time) / (self.completion_tokens - 1)
+        return (self.finished_time - self.first_token_time) / (generated - 1)
 
     @property
     def e2e(self) -> float:

@@ -56,6 +56,7 @@ class Sequence:
     service_class: str = "standard"                      # one of SERVICE_CLASSES
     early_params: SamplingParams | None = None           # drawn with until min_tokens: params with EOS masked out
     replay: str = ""                                     # text of continued tokens, sent with the first new one
+    continued: int = 0                                   # completion tokens an earlier delivery wrote
 
     def __post_init__(self) -> None:
         if not self.token_ids:

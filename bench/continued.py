@@ -21,11 +21,9 @@ def answer(model: str | None, weights: str, question: str, seed: int, cap: int,
            continued: list[int] | None = None) -> tuple[RequestFinished, object]:
     lm, tok = load_model(model, weights=weights)
     engine = LLMEngine(lm, tok, EngineConfig(max_num_seqs=2))
-    ids = list(tok.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
-                                       return_dict=False))
     params = SamplingParams(temperature=0.7, top_p=0.9, dry_multiplier=0.8, dry_include_prompt=False, seed=seed,
                             max_new_tokens=cap)
-    engine.add_request("q", prompt_token_ids=ids, params=params, continued=continued)
+    engine.add_request("q", messages=[{"role": "user", "content": question}], params=params, continued=continued)
     while engine.has_unfinished():
         for event in engine.step():
             if isinstance(event, RequestFinished):

@@ -111,3 +111,10 @@ def test_the_record_of_what_was_shown_reads_back_into_the_tokens_that_wrote_it(t
     # A redelivery that had shown "Order 7 shipped. I": the rest of "It" is recorded with the tokens of all of it.
     assert json.loads(record(parts[:2], len("Order 7 shipped. I"))) == [["t", ids("It")]]
     assert Shown([("t", ids("It"))]).tokens(tokenizer) == ids("t")
+
+
+@pytest.mark.parametrize("entry", ["not json", '{"a": 1}', '[["Hi", 5]]', '[[1, [2]]]', '[["Hi"]]'])
+def test_a_record_that_cannot_be_read_means_generating_again(entry):
+    from worker.continuation import Shown
+
+    assert Shown.read([entry], 2) is None

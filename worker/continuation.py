@@ -66,8 +66,14 @@ class Shown:
     @classmethod
     def read(cls, entries: list[bytes | str], chars: int) -> Shown | None:
         """The record as Redis keeps it; None when it does not hold the `chars` characters clients were sent (it
-        expired, or a worker that kept none sent them)."""
-        pieces = [(text, tokens) for entry in entries for text, tokens in json.loads(entry)]
+        expired, a worker that kept none sent them, or it cannot be read)."""
+        try:
+            pieces = [(text, tokens) for entry in entries for text, tokens in json.loads(entry)]
+            if not all(isinstance(text, str) and (tokens is None or isinstance(tokens, list))
+                       for text, tokens in pieces):
+                return None
+        except (ValueError, TypeError):
+            return None
         shown = cls(pieces)
         return shown if pieces and len(shown.text) == chars else None
 

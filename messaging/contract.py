@@ -72,6 +72,12 @@ def shown_key(request_id: str) -> str:
     return f"supportbot:shown:{request_id}"
 
 
+def shown_at_key(request_id: str) -> str:
+    """When clients were first sent text of a request's answer (seconds since the epoch): a redelivered answer's
+    time to first token is the one its customer saw. Deleted with the answer's end."""
+    return f"supportbot:shown_at:{request_id}"
+
+
 def snapshot_key(worker: str) -> str:
     """A worker's latest metrics exposition."""
     return METRICS_PREFIX + worker

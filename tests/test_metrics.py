@@ -110,16 +110,20 @@ def test_observe_puts_each_timing_in_its_bucket():
 
 def test_a_continued_answer_counts_only_the_tokens_this_worker_wrote():
     """An answer handed back mid-stream and continued (worker/continuation.py): 9 of its 11 tokens came from an
-    earlier delivery, so this worker generated 2, one 0.3 s after its first."""
+    earlier delivery, so this worker generated 2, one 0.25 s after its first. Its customer saw the first token
+    0.4 s after the enqueue (the earlier delivery's), not 30.5 s after, and the class's objective was met."""
     from dataclasses import replace
 
     m = WorkerMetrics("w1", "tiny")
-    m.observe({"enqueued_at": 100.0}, replace(finished("c", admitted=100.2, first=100.5, end=100.8, tokens=11),
-                                              continued_tokens=9))
+    m.observe({"enqueued_at": 100.0}, replace(finished("c", admitted=130.2, first=130.5, end=130.75, tokens=11),
+                                              continued_tokens=9), first_token_time=100.4)
     fams = parse(m.exposition(stats()).decode())
     assert value(fams, "supportbot_generation_tokens_total") == 2
     assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.2"] == 0
     assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.3"] == 1
+    assert dict(buckets(fams, "supportbot_time_to_first_token_seconds", **STD))["0.25"] == 0
+    assert dict(buckets(fams, "supportbot_time_to_first_token_seconds", **STD))["0.5"] == 1
+    assert value(fams, "supportbot_ttft_objective_met_total", **STD) == 1
 
 
 def test_latencies_are_labelled_by_class_with_each_class_objective_and_its_attainment(monkeypatch):

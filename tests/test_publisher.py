@@ -204,3 +204,34 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     publisher.outbox.put([finished("t", "")])
     answer.ends.get(timeout=5)
     assert [json.loads(e) for e in r.lrange(shown_key("t"), 0, -1)] == [[[" world", ids(", world")]]]
+
+
+def test_the_time_choice_0s_text_was_first_sent_is_kept_across_deliveries(r):
+    """A redelivered answer's time to first token is its customer's (worker/job.py reads it back)."""
+    from messaging.contract import shown_at_key
+
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
+    before = time.time()
+    answer = publisher.track(job("u"), 0)
+    publisher.outbox.put([TokenDelta("u", "", [1], index=0), TokenDelta("u", "x", [5], index=1)])
+    time.sleep(0.1)
+    assert r.get(shown_at_key("u")) is None, "no text of choice 0 was sent yet"
+    publisher.outbox.put([TokenDelta("u", "Hi", [2])])
+    time.sleep(0.1)
+    first = float(r.get(shown_at_key("u")))
+    assert before <= first <= time.time()
+    publisher.outbox.put([TokenDelta("u", " there", [3])])
+    publisher.outbox.put([finished("u", "Hi there")])
+    answer.ends.get(timeout=5)
+    assert float(r.get(shown_at_key("u"))) == first, "later text leaves the first time as it was"
+    assert r.ttl(shown_at_key("u")) > 0
+
+    # A redelivery keeps the earlier delivery's time.
+    publisher.forget("u")
+    answer = publisher.track(job("u"), shown=8)
+    for text in ("Hi there", ", how"):
+        publisher.outbox.put([TokenDelta("u", text, [4])])
+        time.sleep(0.05)
+    publisher.outbox.put([finished("u", "Hi there, how")])
+    answer.ends.get(timeout=5)
+    assert float(r.get(shown_at_key("u"))) == first

@@ -66,6 +66,7 @@ def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack,
                     events.append(client.next())
             time.sleep(0.005)
 
+        killed_wall = time.time()
         stack.kill_worker()
         assert not any(events and events[-1][0] == "done" for events in before_kill), \
             "every answer finished before the kill; the test needs longer answers"
@@ -82,7 +83,7 @@ def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack,
         for client in clients:
             client.close()
 
-    for (_, accepted), events in zip(first, streams):
+    for (_, accepted), events, early in zip(first, streams, before_kill):
         name, done = events[-1]
         assert name == "done", events[-1]
         assert done["finish_reason"] in ("stop", "length")
@@ -93,6 +94,8 @@ def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack,
             record = s.get(RequestRecord, accepted["request_id"])
         assert [a.content for a in answers] == [done["text"]]
         assert record.finished_at is not None and record.completion_tokens == done["completion_tokens"]
+        if any(name == "token" for name, _ in early):   # its customer's first token, not the redelivery's
+            assert record.first_token_at.timestamp() < killed_wall, "the record's TTFT is not the one the customer saw"
 
     # The HTTP clients got exactly the answer an undisturbed greedy run gives.
     assert set(api_results) == set(API_MESSAGES)
@@ -120,7 +123,7 @@ def next_model_dir(tmp_path, tokenizer):
 def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir, next_model_dir):
     import redis
 
-    from messaging.contract import shown_key
+    from messaging.contract import shown_at_key, shown_key
 
     # Without grounding's lead, whose answers end at their first line break: on the random model that came within
     # 100-350 tokens, at times before the grace was over, and nothing was left to hand back.
@@ -136,7 +139,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         assert all(name == "accepted" for name, _ in accepted), accepted
         seen = [[client.next(30)] for client in clients]   # every answer has started streaming
 
-        stopped_at = time.monotonic()
+        stopped_at, stopped_wall = time.monotonic(), time.time()
         worker.send_signal(signal.SIGTERM)
         code = worker.wait(60)   # bounded: the grace period, then the hand-back
         print(f"\nthe worker exited {time.monotonic() - stopped_at:.1f} s after SIGTERM with code {code}")
@@ -158,4 +161,8 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         assert "".join(d["text"] for n, d in events if n == "token") == done["text"]
         with db() as s:
             assert [m.content for m in s.query(Message).filter_by(request_id=acc["request_id"])] == [done["text"]]
-        assert not r.exists(shown_key(acc["request_id"])), "the record of what was shown goes with the answer's end"
+            record = s.get(RequestRecord, acc["request_id"])
+        # Its time to first token is the one its customer saw, before the stop, not the continuation's.
+        assert record.first_token_at.timestamp() < stopped_wall
+        assert not r.exists(shown_key(acc["request_id"]), shown_at_key(acc["request_id"])), \
+            "the record of what was shown goes with the answer's end"

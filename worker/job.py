@@ -11,7 +11,7 @@ import redis
 from celery.exceptions import Reject
 from sqlalchemy.exc import IntegrityError
 
-from messaging.contract import cancelled_key, shown_key, streamed_key
+from messaging.contract import cancelled_key, shown_at_key, shown_key, streamed_key
 from messaging.generation import Generation, GenerationError
 from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TEMPLATE, TOOLS, replayable, service_class
 from messaging.prompts import TemplateOptions
@@ -68,6 +68,8 @@ class Job:
     def __init__(self, rt: WorkerRuntime, spec: dict) -> None:
         self.rt, self.spec = rt, spec
         self.request_id: str = spec["request_id"]
+        # When an earlier delivery first showed this answer's text: its customer's first token, kept in its record.
+        self.first_shown: float | None = None
 
     def run(self) -> None:
         """The Celery task's work. Raises Reject (the request goes back to the queue) while the worker shuts down,
@@ -108,6 +110,7 @@ class Job:
         # where the numerics are the same (its seed was fixed when it was accepted).
         shown = self.streamed_chars()
         earlier = self.shown_answer(shown) if shown else None
+        self.first_shown = self.shown_since() if shown else None
         pending = self.with_tools(shown, earlier) if assistant.serves(self.spec) else self.submit(shown, earlier)
         if pending is not None:
             self.conclude(pending)
@@ -241,6 +244,20 @@ class Job:
             log.info("no record of the %d characters shown of %s: generating it again", chars, self.request_id)
         return earlier
 
+    def shown_since(self) -> float | None:
+        """When an earlier delivery first sent text of this answer; None where no time was kept."""
+        rt = self.rt
+        at = rt.redis_retrying(lambda: rt.redis.get(shown_at_key(self.request_id)), "reading when an answer began")
+        try:
+            return float(at) if at is not None else None
+        except ValueError:
+            return None
+
+    def first_token_time(self, done: RequestFinished) -> float | None:
+        """The customer's first token: an earlier delivery's first text where there was one."""
+        times = [t for t in (self.first_shown, done.first_token_time) if t is not None]
+        return min(times, default=None)
+
     def was_cancelled(self) -> bool:
         rt = self.rt
         return bool(rt.redis_retrying(lambda: rt.redis.exists(cancelled_key(self.request_id)),
@@ -280,7 +297,7 @@ class Job:
         """
         stored = self.rt.sql_retrying(lambda: self._write(done), f"storing the answer to {self.request_id}")
         if stored:
-            self.rt.metrics.observe(self.spec, done)
+            self.rt.metrics.observe(self.spec, done, self.first_token_time(done))
         return stored
 
     def _write(self, done: RequestFinished) -> bool:
@@ -293,7 +310,7 @@ class Job:
                                        api_key=job.get("api_key"), http_request_id=job.get(HTTP_REQUEST_ID))
                 db.add(record)
             record.model, record.worker = rt.model_name, rt.settings.name
-            record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(done.first_token_time)
+            record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(self.first_token_time(done))
             record.finished_at = utc(done.finished_time)
             record.prompt_tokens, record.completion_tokens = done.prompt_tokens, done.completion_tokens
             record.cached_tokens, record.batch_size = done.cached_tokens, done.mean_batch_size

@@ -109,14 +109,17 @@ class WorkerMetrics:
         self.engine = _EngineCollector(model)
         reg.register(self.engine)
 
-    def observe(self, job: dict, done: RequestFinished) -> None:
-        """Once per stored record; times count from the web app's enqueue, as in request_records."""
+    def observe(self, job: dict, done: RequestFinished, first_token_time: float | None = None) -> None:
+        """Once per stored record; times count from the web app's enqueue, as in request_records.
+        `first_token_time`: when the customer saw the first token, where an earlier delivery showed it (a
+        handed-back answer); TPOT stays this delivery's own."""
         start = job.get("enqueued_at") or done.arrival_time
         cls = service_class(job)
         if done.admitted_time is not None:
             self.queue_time.labels(cls).observe(max(0.0, done.admitted_time - start))
-        if done.first_token_time is not None:
-            ttft = max(0.0, done.first_token_time - start)
+        first = first_token_time if first_token_time is not None else done.first_token_time
+        if first is not None:
+            ttft = max(0.0, first - start)
             self.ttft.labels(cls).observe(ttft)
             if ttft <= self.objectives[cls]:
                 self.objective_met.labels(cls).inc()

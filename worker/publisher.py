@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import redis
 
-from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, shown_key, streamed_key
+from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, shown_at_key, shown_key, streamed_key
 from messaging.stream import encode_batch, event_for
 from worker import continuation
 from worker.engine import Event, RequestFinished, TokenDelta, TokenLogprob
@@ -53,6 +53,7 @@ class Answer:
     echo_waits: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None
     echoed: bool = False
+    stamped: bool = False   # this delivery has sent choice 0's text, and the time of the first is kept
 
     def unseen(self, text: str, index: int = 0, carries: bool = False) -> tuple[str, int] | None:
         """The part of a choice's next `text` that no client was sent yet, with its offset in that choice's answer.
@@ -187,9 +188,11 @@ class Publisher:
         """Every request's text delta in one message, and the stream positions after them, in one transaction:
         a worker killed here has either shown a text and recorded its position, or neither, so a redelivery
         never shows text twice, even to a client that ignores offsets. Choice 0's text is recorded too, with the
-        tokens that wrote it, so that a redelivery goes on from them (worker/continuation.py). While Redis is down
-        the deltas are lost (the final event carries the whole text, and clients see the gap in the offsets)."""
+        tokens that wrote it, so that a redelivery goes on from them (worker/continuation.py), and the time text was
+        first sent, which a redelivery keeps as its time to first token. While Redis is down the deltas are lost
+        (the final event carries the whole text, and clients see the gap in the offsets)."""
         events, pipe, keys, positions = [], self.redis.pipeline(transaction=True), [], []
+        first, now = [], time.time()
         for answer, index, (text, offset), logprobs, shown in deltas:
             rid = answer.job["request_id"]
             data = {"request_id": rid, "text": text, "offset": offset}
@@ -206,6 +209,9 @@ class Publisher:
             if index == 0:
                 keys += (streamed_key(rid), shown_key(rid))
                 positions += (offset + len(text), shown)
+                if text and not answer.stamped:   # an earlier delivery's first text keeps its time
+                    pipe.set(shown_at_key(rid), repr(now), ex=STREAMED_TTL_S, nx=True)
+                    first.append(answer)
         if keys:
             pipe.eval(RECORD, len(keys), *keys, STREAMED_TTL_S, *positions)
         pipe.publish(STREAM_CHANNEL, encode_batch(events))
@@ -218,6 +224,8 @@ class Publisher:
             self.blind = True
             return
         self.batches += 1
+        for answer in first:
+            answer.stamped = True
         if self.blind:
             self.blind = False
             log.info("streaming answers again")

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from structured import Structure
-from tests.test_engine import QUESTIONS, chat_ids, no_fallbacks, run_all  # noqa: F401
-from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, SamplingParams
+from tests.test_engine import QUESTIONS, chat_ids, no_fallbacks  # noqa: F401
+from worker.engine import EngineConfig, InvalidRequestError, LLMEngine, RequestFinished, SamplingParams
 
 # The chat's own sampling (worker settings' defaults), with OpenAI's penalties on top: every one of them reads the
 # answer's tokens so far, so the continued tokens must count as the answer's.
@@ -19,14 +19,24 @@ JSON = Structure({"type": "object", "properties": {"name": {"type": "string", "m
                   "required": ["name", "qty"], "additionalProperties": False})
 
 
-def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | None = None, overlap: bool = False):
+def answer(tiny, ids: list[int], params: SamplingParams, continued: list[int] | None = None, overlap: bool = False,
+           events: list | None = None, **config):
+    """The answer to `ids` and its deltas' texts, beside another request; `events`: its deltas themselves."""
     model, tok = tiny
-    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64, overlap_steps=overlap))
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=64, overlap_steps=overlap, **config))
     engine.add_request("other", prompt_token_ids=chat_ids(tok, QUESTIONS[0]),
                        params=SamplingParams(temperature=1.0, max_new_tokens=12))
     engine.add_request("me", prompt_token_ids=ids, params=params, continued=continued)
     assert engine.stats().continued == (1 if continued else 0)   # the operators' count of continued answers
-    results, deltas = run_all(engine)
+    results, deltas = {}, {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, RequestFinished):
+                results[event.request_id] = event
+            else:
+                deltas.setdefault(event.request_id, []).append(event.text)
+                if events is not None and event.request_id == "me":
+                    events.append(event)
     return results["me"], deltas["me"]
 
 
@@ -75,9 +85,39 @@ def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):
     assert done.completion_tokens == len(start) + 1
 
 
+def same_logprobs(got, want) -> bool:
+    return (got.token_id, got.rank, [t for t, _ in got.top]) == (want.token_id, want.rank, [t for t, _ in want.top]) \
+        and got.logprob == pytest.approx(want.logprob, abs=1e-4) \
+        and [v for _, v in got.top] == pytest.approx([v for _, v in want.top], abs=1e-4)
+
+
+@pytest.mark.parametrize("overlap, chunk", [(False, None), (True, 16)], ids=["plain", "overlapped-chunked"])
+def test_a_continued_answer_with_logprobs_has_the_continued_tokens_scored_as_if_drawn(tiny, overlap, chunk):
+    """The continued tokens' log-probabilities come from the prefill's rows (chunked too, beside prompt
+    log-probabilities): the answer's end has every token's, as the uninterrupted answer's; its deltas send only the
+    new tokens' (a client has the others)."""
+    _, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[1])
+    params = dict(CHAT, logprobs=3, max_new_tokens=30)
+    whole, _ = answer(tiny, ids, SamplingParams(**params, prompt_logprobs=2))
+    assert len(whole.logprobs) == 30
+    for k in (1, 21):
+        events = []
+        done, deltas = answer(tiny, ids, SamplingParams(**params, prompt_logprobs=2), continued=whole.token_ids[:k],
+                              overlap=overlap, events=events, max_num_batched_tokens=chunk)
+        assert done.token_ids == whole.token_ids and done.text == whole.text == "".join(deltas)
+        assert len(done.logprobs) == 30 and all(map(same_logprobs, done.logprobs, whole.logprobs)), k
+        assert len(done.prompt_logprobs) == len(ids) and all(
+            a is b is None or same_logprobs(a, b) for a, b in zip(done.prompt_logprobs, whole.prompt_logprobs))
+        sent = [entry for event in events for entry in event.logprobs or ()]
+        assert [e.token_id for e in sent] == whole.token_ids[k:], "the deltas carry the new tokens' alone"
+    # Without prompt log-probabilities only the continued tokens' rows are kept.
+    done, _ = answer(tiny, ids, SamplingParams(**params), continued=whole.token_ids[:9])
+    assert done.token_ids == whole.token_ids and all(map(same_logprobs, done.logprobs, whole.logprobs))
+
+
 @pytest.mark.parametrize("change, error", [
     (dict(n=2), "one choice"),
-    (dict(logprobs=2), "log-probabilities"),
     (dict(max_new_tokens=2), "leaves none"),
 ])
 def test_what_cannot_continue_is_refused_with_the_reason(tiny, change, error):

@@ -120,6 +120,28 @@ def next_model_dir(tmp_path, tokenizer):
     return make_tiny_model_dir(tmp_path / "next", tokenizer, seed=1, max_position_embeddings=8192)
 
 
+def stream_logprobs(url: str, text: str, started: threading.Event, out: dict) -> None:
+    """A streaming API answer with log-probabilities: its id, its text, the tokens whose log-probabilities came
+    with it and its usage; `started` is set at its first text."""
+    body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 1500,
+            "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
+    out.update(id=None, text="", tokens=[], usage=None)
+    with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                out["id"], out["usage"] = chunk["id"].removeprefix("chatcmpl-"), chunk.get("usage") or out["usage"]
+                if not chunk["choices"]:
+                    continue
+                choice = chunk["choices"][0]
+                out["text"] += choice["delta"].get("content") or ""
+                out["tokens"] += [bytes(e["bytes"]) for e in (choice.get("logprobs") or {}).get("content") or ()]
+                if out["text"]:
+                    started.set()
+
+
 def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir, next_model_dir):
     import redis
 
@@ -138,6 +160,11 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         accepted = [client.next(30) for client in clients]
         assert all(name == "accepted" for name, _ in accepted), accepted
         seen = [[client.next(30)] for client in clients]   # every answer has started streaming
+        # An API client streaming an answer with log-probabilities: they go on too.
+        api, api_started = {}, threading.Event()
+        api_thread = threading.Thread(target=stream_logprobs, args=(url, API_MESSAGES["stream"], api_started, api))
+        api_thread.start()
+        assert api_started.wait(30), "the API answer never started"
 
         stopped_at, stopped_wall = time.monotonic(), time.time()
         worker.send_signal(signal.SIGTERM)
@@ -146,13 +173,19 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         handed_back = "back to the queue" in (stack.workdir / "worker.log").read_text()
         stack.start_worker(MODEL=str(next_model_dir))   # a deploy: the answers go on with other weights
         streams = [events + collect(client, 300) for client, events in zip(clients, seen)]   # 1500 tokens each, on a busy machine too
+        api_thread.join(300)
     finally:
         for client in clients:
             client.close()
         stack.kill_worker()
         stack.start_worker()   # the session's worker, on the session's model, for the tests that follow
     assert handed_back, "no answer was still running when the grace period ended"
-    assert "goes on from the" in (stack.workdir / "worker.log").read_text(), "no answer continued from its tokens"
+    log = (stack.workdir / "worker.log").read_text()
+    assert "goes on from the" in log, "no answer continued from its tokens"
+    # The API answer went on from its tokens, log-probabilities and all: each token's came once.
+    assert not api_thread.is_alive() and api["text"] and api["usage"]
+    assert len(api["tokens"]) == api["usage"]["completion_tokens"]
+    assert f"{api['id']} goes on from the" in log, "the answer with log-probabilities was generated again"
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]

@@ -114,7 +114,7 @@ class Shown:
 def submit(engine: LLMEngine, request_id: str, prompt_ids: list[int], continued: list[int] | None,
            **kwargs) -> RequestStream:
     """engine.submit, the answer going on after `continued` (what an earlier delivery showed) where the engine can
-    continue it; where it cannot (say the answer asks for log-probabilities, or already has every token it may),
+    continue it; where it cannot (say the answer has several choices, or already has every token it may),
     the answer is generated again from its start, as the stream resumes after the characters shown."""
     if continued:
         try:

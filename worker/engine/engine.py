@@ -45,12 +45,14 @@ class StepRows:
 
     sampling: list[Sequence]   # sequences whose next token comes from this step's logits
     rows: list[int]            # the row of each
-    prompts: list[tuple[Sequence, int, int, int]]   # scored prompt chunks: (sequence, first position, first row, rows)
+    # scored prefill rows (Sequence.scored_from): (sequence, first position, first row, rows)
+    prompts: list[tuple[Sequence, int, int, int]]
 
 
 @dataclass
 class PromptScores:
-    """Prompt tokens' log-probabilities of a step, packed on the device until `_record_prompts` reads them."""
+    """Log-probabilities of the prompt tokens and continued answer tokens a step's prefill rows score, packed on
+    the device until `_record_prompts` reads them."""
 
     spans: list[tuple[Sequence, int, int]]   # (sequence, first position scored, positions)
     top: int
@@ -222,13 +224,12 @@ class LLMEngine:
     def _continue(self, seq: Sequence, tokens: list[int]) -> None:
         """Start the answer with `tokens`: they count as generated (for max_new_tokens, min_tokens, penalties,
         DRY, stop strings, the grammar and usage), are computed with the prompt, and their text goes out with
-        the first new token's delta, so the deltas still add up to the answer's whole text."""
+        the first new token's delta, so the deltas still add up to the answer's whole text. Their
+        log-probabilities, where the request asks for them, are scored from the prefill's rows as a prompt's are
+        (the delta sends only the new token's: a client already has theirs; the answer's end has all)."""
         params = seq.params
         if params.n != 1:
             raise InvalidRequestError("Only a request with one choice (n = 1) can continue an earlier answer.")
-        if params.logprobs is not None:
-            raise InvalidRequestError("An answer with log-probabilities cannot continue from tokens given without "
-                                      "theirs; generate it again instead.")
         if len(tokens) >= params.max_new_tokens:
             raise InvalidRequestError(f"The answer to continue already has {len(tokens)} tokens; max_new_tokens "
                                       f"({params.max_new_tokens}) leaves none to add.")
@@ -342,31 +343,41 @@ class LLMEngine:
         return [seq for seq, _ in pairs], logits[upload([row for _, row in pairs], torch.long, logits.device)]
 
     def _score_prompts(self, step: StepRows, logits) -> PromptScores | None:
-        """Queue the log-probabilities of the prompt tokens this step's chunks score: row j of a chunk holds
-        position first + j, whose logits score the prompt token after it."""
-        rows, targets, spans = [], [], []
+        """Queue the log-probabilities of the tokens this step's kept prefill rows score: row j of a chunk holds
+        position first + j, whose logits score the token after it: a prompt token (prompt_logprobs), or one of a
+        continued answer's tokens (logprobs: those an earlier delivery wrote, as if drawn here)."""
+        rows, targets, spans, top = [], [], [], 0
         for seq, first, row, n in step.prompts:
-            end = min(first + n, seq.num_prompt_tokens - 1)   # the last prompt position scores the first answer token
-            rows.extend(range(row, row + end - first))
-            targets.extend(seq.prompt_token_ids[first + 1:end + 1])
-            spans.append((seq, first + 1, end - first))
+            params, last_prompt = seq.params, seq.num_prompt_tokens - 1
+            start = first if params.prompt_logprobs is not None else max(first, last_prompt)
+            end = min(first + n, last_prompt + (seq.continued if params.logprobs is not None else 0))
+            if end <= start:
+                continue
+            rows.extend(range(row + start - first, row + end - first))
+            targets.extend(seq.token_ids[start + 1:end + 1])
+            spans.append((seq, start + 1, end - start))
+            top = max(top, params.prompt_logprobs or 0 if start < last_prompt else 0,
+                      params.logprobs or 0 if end > last_prompt else 0)
         if not rows:
             return None
-        top = max(seq.params.prompt_logprobs for seq, *_ in step.prompts)
         device = logits.device
         packed = logprobs.pack(logits[upload(rows, torch.long, device)], upload(targets, torch.long, device), top)
         return PromptScores(spans, top, packed)
 
     def _record_prompts(self, step: StepRows, scores: PromptScores | None) -> list[Event]:
-        """Keep the step's prompt log-probabilities (a chunk computed again after a preemption adds nothing), and
-        end the requests that only scored their prompt."""
+        """Keep the step's prompt and continued tokens' log-probabilities (a chunk computed again after a
+        preemption adds nothing), and end the requests that only scored their prompt."""
         if scores is not None:
             values, k = scores.packed.tolist(), 0
             for seq, first, count in scores.spans:
+                prompt = seq.num_prompt_tokens
                 for position in range(first, first + count):
-                    if position == len(seq.prompt_logprobs):
+                    if position < prompt and position == len(seq.prompt_logprobs):
                         seq.prompt_logprobs.append(logprobs.unpack(
                             seq.token_ids[position], values[k], seq.params.prompt_logprobs, scores.top))
+                    elif position >= prompt and position - prompt == len(seq.logprobs):
+                        seq.logprobs.append(logprobs.unpack(
+                            seq.token_ids[position], values[k], seq.params.logprobs, scores.top))
                     k += 1
         events: list[Event] = []
         for seq in step.sampling:
@@ -469,13 +480,14 @@ class LLMEngine:
         sampling, rows, prompts = list(batch.decodes), list(range(len(batch.decodes))), []
         row = len(batch.decodes)
         for seq, n in batch.prefills:
-            first, scored = seq.num_computed_tokens, seq.wants_prompt_logprobs   # as the runner saw them
+            first, scored = seq.num_computed_tokens, seq.scored_from   # as the runner saw them
             seq.num_computed_tokens += n
             seq.prefilled = seq.prefilled or seq.num_computed_tokens >= seq.num_prompt_tokens
             done = seq.num_computed_tokens == seq.num_tokens
-            if scored:
-                prompts.append((seq, first, row, n))
-            row += n if scored else int(done)
+            kept = first + n - max(first, scored) if scored is not None and first + n > scored else 0
+            if kept:
+                prompts.append((seq, first + n - kept, row, kept))
+            row += kept or int(done)
             if done:
                 sampling.append(seq)
                 rows.append(row - 1)

@@ -249,7 +249,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: Batch, pending: torch.Tensor | None = None) -> torch.Tensor:
         """Forward the packed batch; logits [rows, vocab] for decodes and prefills that finish this step, in
-        batch order, and every row of a prefill chunk whose prompt is scored (`Sequence.wants_prompt_logprobs`).
+        batch order, and every row of a prefill chunk from the first position it scores (`Sequence.scored_from`).
 
         pending: the previous step's sampled tokens while they are still on their way to the host; a sequence
         whose last token is one of them (`Sequence.pending`) reads it from there."""
@@ -280,8 +280,9 @@ class ModelRunner:
             slots.extend(table[p // bs] * bs + p % bs for p in span)
             context = first + n
             spans.append(Span(start, n, context, table))
-            if seq.wants_prompt_logprobs:   # every row scores the next prompt token (the last one samples)
-                keep.extend(range(start, start + n))
+            scored = seq.scored_from
+            if scored is not None and context > scored:   # each row scores the token after it (the last one samples)
+                keep.extend(range(start + max(0, scored - first), start + n))
             elif context == seq.num_tokens:   # the whole sequence is in: its last row gives the next token
                 keep.append(start + n - 1)
 

@@ -120,8 +120,8 @@ class Scheduler:
             if seq.waits_for_leader and self.blocks.enable_prefix_caching:
                 continue   # a later choice: the first one's prompt blocks will be its cache hits
             if not seq.block_table:
-                # A request scoring its prompt computes every prompt row: no cache hits.
-                seq.num_computed_tokens = 0 if seq.wants_prompt_logprobs else self.blocks.allocate_cached_prefix(seq)
+                # A request scoring its prompt (or a continued answer's tokens) computes every row: no cache hits.
+                seq.num_computed_tokens = 0 if seq.scored_from is not None else self.blocks.allocate_cached_prefix(seq)
                 seq.num_cached_tokens = max(seq.num_cached_tokens, seq.num_computed_tokens)
             want = min(seq.num_uncomputed, budget)
             if seq is capped:   # its floor, leaving the rest of the step to the classes above it

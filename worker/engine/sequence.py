@@ -119,6 +119,18 @@ class Sequence:
             return False
         return all(len(s.prompt_logprobs) < self.num_prompt_tokens for s in (self, self.leader))
 
+    @property
+    def scored_from(self) -> int | None:
+        """The first position whose logits row a prefill keeps, to score the token after it: 0 while the prompt's
+        log-probabilities are to be computed, the prompt's last while a continued answer's tokens (written by an
+        earlier delivery, without them here) still need theirs; None when only the last row samples. A prefill
+        that scores computes every row it scores: no prefix-cache hits."""
+        if self.wants_prompt_logprobs:
+            return 0
+        if self.params.logprobs is not None and len(self.logprobs) < self.continued:
+            return self.num_prompt_tokens - 1
+        return None
+
     def prompt_logprobs_result(self) -> list[TokenLogprob | None] | None:
         """What the request reports: its own (or the first choice's) complete list, else what it has."""
         if self.params.prompt_logprobs is None:

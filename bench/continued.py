@@ -23,7 +23,8 @@ def answer(model: str | None, weights: str, question: str, seed: int, cap: int,
     engine = LLMEngine(lm, tok, EngineConfig(max_num_seqs=2))
     params = SamplingParams(temperature=0.7, top_p=0.9, dry_multiplier=0.8, dry_include_prompt=False, seed=seed,
                             max_new_tokens=cap)
-    engine.add_request("q", messages=[{"role": "user", "content": question}], params=params, continued=continued)
+    engine.add_request("q", messages=[{"role": "user", "content": question}], params=params,
+                       continued=[continued] if continued else None)
     while engine.has_unfinished():
         for event in engine.step():
             if isinstance(event, RequestFinished):

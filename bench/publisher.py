@@ -32,7 +32,7 @@ def redis_cpu(r: redis.Redis) -> float:
 
 def run(r: redis.Redis, requests: int, rate: float, seconds: float) -> dict[str, float]:
     publisher = Publisher(r, on_redis_error=lambda: None)
-    answers = {f"req{i}": publisher.track({"request_id": f"req{i}", "room": f"room{i}", "channel": None}, 0)
+    answers = {f"req{i}": publisher.track({"request_id": f"req{i}", "room": f"room{i}", "channel": None}, [0])
                for i in range(requests)}
     steps = int(rate * seconds)
     cpu0, redis0, wall0 = time.process_time(), redis_cpu(r), time.perf_counter()

@@ -61,15 +61,21 @@ def job_key(request_id: str) -> str:
     return f"supportbot:job:{request_id}"
 
 
-def streamed_key(request_id: str) -> str:
-    """How many characters of a request's answer its clients were sent: a redelivery resumes after them."""
-    return f"supportbot:streamed:{request_id}"
+def _choice(index: int) -> str:
+    return f":{index}" if index else ""
 
 
-def shown_key(request_id: str) -> str:
-    """What clients were sent of a request's answer, as a list of pieces (worker/continuation.py) beside its count
-    in streamed_key: a redelivery goes on from those tokens. Deleted with the answer's end."""
-    return f"supportbot:shown:{request_id}"
+def streamed_key(request_id: str, index: int = 0) -> str:
+    """How many characters of a request's answer (of its choice `index`) its clients were sent: a redelivery
+    resumes after them."""
+    return f"supportbot:streamed:{request_id}{_choice(index)}"
+
+
+def shown_key(request_id: str, index: int = 0) -> str:
+    """What clients were sent of a request's answer (of its choice `index`), as a list of pieces
+    (worker/continuation.py) beside its count in streamed_key: a redelivery goes on from those tokens. Deleted with
+    the answer's end."""
+    return f"supportbot:shown:{request_id}{_choice(index)}"
 
 
 def shown_at_key(request_id: str) -> str:

@@ -36,10 +36,15 @@ def service_class(job: dict) -> str:
     return (job.get("params") or {}).get("service_class") or DEFAULT_CLASS
 
 
+def choices(job: dict) -> int:
+    """How many choices (`n`) the request asks for."""
+    return (job.get("params") or {}).get("n", 1)
+
+
 def replayable(job: dict) -> bool:
     """Whether a stored answer can be shown again as it is: one choice, no log-probabilities, no token ids (SQL keeps
     none of them).
     Other requests are generated again on redelivery, to the same tokens (their seed is fixed at acceptance)."""
     params = job.get("params") or {}
-    return params.get("n", 1) == 1 and params.get("logprobs") is None and params.get("prompt_logprobs") is None \
+    return choices(job) == 1 and params.get("logprobs") is None and params.get("prompt_logprobs") is None \
         and not job.get(ECHO) and not job.get(TOKEN_IDS)

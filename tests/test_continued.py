@@ -47,7 +47,7 @@ def test_a_continued_answer_draws_the_tokens_the_whole_answer_drew(tiny, overlap
     whole, _ = answer(tiny, ids, SamplingParams(**CHAT))
     assert len(whole.token_ids) == 40
     for k in (1, 17, 39):
-        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=whole.token_ids[:k], overlap=overlap)
+        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=[whole.token_ids[:k]], overlap=overlap)
         assert done.token_ids == whole.token_ids, k
         assert done.text == whole.text == "".join(deltas), "the deltas add up to the whole answer, continued text too"
         assert deltas[0].startswith(tok.decode(whole.token_ids[:k])), "the continued text goes out first"
@@ -67,11 +67,11 @@ def test_a_continued_structured_answer_keeps_its_grammar(tiny):
     params = dict(temperature=1.0, seed=3, max_new_tokens=60)
     whole, _ = answer(tiny, ids, SamplingParams(**params, structure=JSON))
     assert whole.finish_reason == "stop" and len(whole.token_ids) > 6
-    done, _ = answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=whole.token_ids[:5])
+    done, _ = answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=[whole.token_ids[:5]])
     assert (done.token_ids, done.text, done.finish_reason) == (whole.token_ids, whole.text, "stop")
     not_json = tok.encode("no json", add_special_tokens=False)
     with pytest.raises(InvalidRequestError, match="does not fit its structure"):
-        answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=not_json)
+        answer(tiny, ids, SamplingParams(**params, structure=JSON), continued=[not_json])
 
 
 def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):
@@ -80,7 +80,7 @@ def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):
     start = tok.encode(" Yes, we ship there", add_special_tokens=False)
     # Its stop string comes with the next tokens at the latest: the text written before is never searched again.
     done, deltas = answer(tiny, ids, SamplingParams(temperature=0.0, max_new_tokens=len(start) + 1, stop=["ship"]),
-                          continued=start)
+                          continued=[start])
     assert done.text.startswith(" Yes, we ship there") and "".join(deltas) == done.text
     assert done.completion_tokens == len(start) + 1
 
@@ -103,7 +103,7 @@ def test_a_continued_answer_with_logprobs_has_the_continued_tokens_scored_as_if_
     assert len(whole.logprobs) == 30
     for k in (1, 21):
         events = []
-        done, deltas = answer(tiny, ids, SamplingParams(**params, prompt_logprobs=2), continued=whole.token_ids[:k],
+        done, deltas = answer(tiny, ids, SamplingParams(**params, prompt_logprobs=2), continued=[whole.token_ids[:k]],
                               overlap=overlap, events=events, max_num_batched_tokens=chunk)
         assert done.token_ids == whole.token_ids and done.text == whole.text == "".join(deltas)
         assert len(done.logprobs) == 30 and all(map(same_logprobs, done.logprobs, whole.logprobs)), k
@@ -112,25 +112,57 @@ def test_a_continued_answer_with_logprobs_has_the_continued_tokens_scored_as_if_
         sent = [entry for event in events for entry in event.logprobs or ()]
         assert [e.token_id for e in sent] == whole.token_ids[k:], "the deltas carry the new tokens' alone"
     # Without prompt log-probabilities only the continued tokens' rows are kept.
-    done, _ = answer(tiny, ids, SamplingParams(**params), continued=whole.token_ids[:9])
+    done, _ = answer(tiny, ids, SamplingParams(**params), continued=[whole.token_ids[:9]])
     assert done.token_ids == whole.token_ids and all(map(same_logprobs, done.logprobs, whole.logprobs))
 
 
-@pytest.mark.parametrize("change, error", [
-    (dict(n=2), "one choice"),
-    (dict(max_new_tokens=2), "leaves none"),
+def every_choice(tiny, ids: list[int], params: SamplingParams, continued: list[list[int]] | None = None):
+    """Each choice's end and the text its deltas carried, by choice."""
+    model, tok = tiny
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=96))
+    engine.add_request("me", prompt_token_ids=ids, params=params, continued=continued)
+    ends, texts = {}, {}
+    while engine.has_unfinished():
+        for event in engine.step():
+            if isinstance(event, RequestFinished):
+                ends[event.index] = event
+            else:
+                texts[event.index] = texts.get(event.index, "") + event.text
+    return ends, texts
+
+
+@pytest.mark.parametrize("logprobs", [None, 2], ids=["plain", "logprobs"])
+def test_each_choice_goes_on_from_its_own_tokens(tiny, logprobs):
+    """n choices, each shown in part (one not at all): every one ends as it would have, from its own seed."""
+    _, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[2])
+    params = dict(CHAT, n=3, max_new_tokens=24, logprobs=logprobs)
+    whole, _ = every_choice(tiny, ids, SamplingParams(**params))
+    assert len({tuple(e.token_ids) for e in whole.values()}) == 3, "the choices differ"
+    shown = [whole[0].token_ids[:5], [], whole[2].token_ids[:11]]
+    done, texts = every_choice(tiny, ids, SamplingParams(**params), continued=shown)
+    for i in range(3):
+        assert done[i].token_ids == whole[i].token_ids and done[i].text == whole[i].text == texts[i], i
+        assert done[i].continued_tokens == len(shown[i])
+        if logprobs:
+            assert all(map(same_logprobs, done[i].logprobs, whole[i].logprobs)) and len(done[i].logprobs) == 24
+
+
+@pytest.mark.parametrize("change, error, answers", [
+    (dict(n=2), "choices", 3),
+    (dict(max_new_tokens=2), "leaves none", 1),
 ])
-def test_what_cannot_continue_is_refused_with_the_reason(tiny, change, error):
+def test_what_cannot_continue_is_refused_with_the_reason(tiny, change, error, answers):
     _, tok = tiny
     params = SamplingParams(**{"temperature": 0.0, "max_new_tokens": 20, **change})
     start = tok.encode(" Hello there", add_special_tokens=False)
     assert len(start) == 2
     with pytest.raises(InvalidRequestError, match=error):
-        answer(tiny, chat_ids(tok, "Hi"), params, continued=start)
+        answer(tiny, chat_ids(tok, "Hi"), params, continued=[start] * answers)
     with pytest.raises(InvalidRequestError, match="model does not have"):
-        answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=20), continued=[len(tok) + 5])
+        answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=20), continued=[[len(tok) + 5]])
     with pytest.raises(InvalidRequestError, match="context"):
-        answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=10_000), continued=[7] * 600)
+        answer(tiny, chat_ids(tok, "Hi"), SamplingParams(max_new_tokens=10_000), continued=[[7] * 600])
 
 
 def test_the_record_of_what_was_shown_reads_back_into_the_tokens_that_wrote_it(tokenizer):

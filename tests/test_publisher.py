@@ -49,7 +49,7 @@ def test_steps_within_a_window_go_out_as_one_message_for_every_request(r):
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(STREAM_CHANNEL)
     publisher = Publisher(r, on_redis_error=lambda: None, window_s=2.0)
-    a, b = publisher.track(job("a"), 0), publisher.track(job("b", api=True), 0)
+    a, b = publisher.track(job("a"), [0]), publisher.track(job("b", api=True), [0])
     publisher.outbox.put([TokenDelta("a", "He", []), TokenDelta("b", "Hi", [])])   # first text: sent at once
     [first] = batches(pubsub, 1)
     assert [(e.name, e.room, e.api, e.data) for e in first] == [
@@ -73,7 +73,7 @@ def test_a_window_of_zero_sends_each_step_and_a_redelivery_resumes_exactly(r):
     pubsub = r.pubsub(ignore_subscribe_messages=True)
     pubsub.subscribe(STREAM_CHANNEL)
     publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
-    publisher.track(job("c"), shown=7)   # an earlier delivery showed "Hello, "
+    publisher.track(job("c"), shown=[7])   # an earlier delivery showed "Hello, "
     for text in ("Hel", "lo, wo", "rld"):
         publisher.outbox.put([TokenDelta("c", text, [])])
         time.sleep(0.05)
@@ -88,7 +88,7 @@ def test_many_requests_and_steps_lose_nothing_and_keep_order(r):
     pubsub.subscribe(STREAM_CHANNEL)
     publisher = Publisher(r, on_redis_error=lambda: None, window_s=0.02)
     ids = [f"r{i}" for i in range(64)]
-    answers = {rid: publisher.track(job(rid), 0) for rid in ids}
+    answers = {rid: publisher.track(job(rid), [0]) for rid in ids}
     for step in range(50):
         publisher.outbox.put([TokenDelta(rid, f"{step},", []) for rid in ids])
         if step % 10 == 0:
@@ -143,7 +143,7 @@ def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_
     pubsub.subscribe(STREAM_CHANNEL)
     tokens = TokenJson(tokenizer)
     publisher = Publisher(r, on_redis_error=lambda: None, window_s=0, describe=tokens)
-    answer = publisher.track(job("d", api=True), 0)
+    answer = publisher.track(job("d", api=True), [0])
     entry = TokenLogprob(token_id=7, logprob=-0.5, rank=1, top=[])
     publisher.outbox.put([TokenDelta("d", "A", [7], index=0, logprobs=[entry]),
                           TokenDelta("d", "", [8], index=1, logprobs=[replace(entry, token_id=8)])])
@@ -153,7 +153,7 @@ def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_
         {"request_id": "d", "text": "", "offset": 0, "index": 1,
          "logprobs": [{**tokens.one(8, -0.5), "top_logprobs": []}]}]
     # A request that asked for vLLM's return_tokens_as_token_ids: the same entries, each token named by its id.
-    publisher.track({**job("e", api=True), TOKENS_AS_IDS: True}, 0)
+    publisher.track({**job("e", api=True), TOKENS_AS_IDS: True}, [0])
     publisher.outbox.put([TokenDelta("e", "A", [7], index=0, logprobs=[replace(entry, top=[(9, -1.5)])])])
     [ids] = batches(pubsub, 1)
     assert ids[0].data["logprobs"] == [{"token": "token_id:7", "logprob": -0.5, "bytes": tokens.one(7, 0)["bytes"],
@@ -164,12 +164,12 @@ def test_choices_stream_with_their_index_and_logprobs_and_the_request_ends_with_
     assert answer.ends.empty(), "one choice ended; the request has not"
     publisher.outbox.put([TokenDelta("d", "Bc", [9], index=1), replace(finished("d", "Bc"), index=1)])
     assert answer.wait().index == 1 and [e.text for e in answer.ordered()] == ["A", "Bc"]
-    assert int(r.get(streamed_key("d"))) == 1, "the stream position is choice 0's"
+    assert (int(r.get(streamed_key("d"))), int(r.get(streamed_key("d", 1)))) == (1, 2), "each choice's position"
 
 
 def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     """What a redelivery goes on from (worker/continuation.py): the text as sent, a lead the worker wrote apart from
-    the model's tokens, a character's first bytes with the token that finished it; other choices are not kept."""
+    the model's tokens, a character's first bytes with the token that finished it; another choice's on its own."""
     from messaging.contract import shown_key
     from worker.continuation import Shown, Written
 
@@ -177,7 +177,7 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
     publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
-    answer = publisher.track(job("s"), 0)
+    answer = publisher.track(job("s"), [0])
     emoji = ids(" 👋")
     assert len(emoji) > 1, "the test needs a character written by more than one token"
     steps = [[Written("s", "Order 12 shipped. ", [])], [TokenDelta("s", "It", ids("It"))],
@@ -195,9 +195,10 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     assert written.pieces[0][1] == ids("It"), "the recorded tokens, not the text tokenized again"
     assert written.tokens(tokenizer) == ids("It") + emoji + ids(" arrives")
     assert Shown.read(r.lrange(shown_key("s"), 0, -1), 5) is None, "a record short of what was sent is not used"
+    assert Shown.read(r.lrange(shown_key("s", 1), 0, -1), 1).pieces == [("x", [5])]
 
     # A redelivery that showed "Hello," before: the text and tokens after it are added.
-    answer = publisher.track(job("t"), shown=6)
+    answer = publisher.track(job("t"), shown=[6])
     for text in ("Hello", ", world"):
         publisher.outbox.put([TokenDelta("t", text, ids(text))])
         time.sleep(0.05)
@@ -206,16 +207,16 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     assert [json.loads(e) for e in r.lrange(shown_key("t"), 0, -1)] == [[[" world", ids(", world")]]]
 
 
-def test_the_time_choice_0s_text_was_first_sent_is_kept_across_deliveries(r):
+def test_the_time_an_answers_text_was_first_sent_is_kept_across_deliveries(r):
     """A redelivered answer's time to first token is its customer's (worker/job.py reads it back)."""
     from messaging.contract import shown_at_key
 
     publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
     before = time.time()
-    answer = publisher.track(job("u"), 0)
-    publisher.outbox.put([TokenDelta("u", "", [1], index=0), TokenDelta("u", "x", [5], index=1)])
+    answer = publisher.track(job("u"), [0])
+    publisher.outbox.put([TokenDelta("u", "", [1])])
     time.sleep(0.1)
-    assert r.get(shown_at_key("u")) is None, "no text of choice 0 was sent yet"
+    assert r.get(shown_at_key("u")) is None, "no text was sent yet"
     publisher.outbox.put([TokenDelta("u", "Hi", [2])])
     time.sleep(0.1)
     first = float(r.get(shown_at_key("u")))
@@ -228,7 +229,7 @@ def test_the_time_choice_0s_text_was_first_sent_is_kept_across_deliveries(r):
 
     # A redelivery keeps the earlier delivery's time.
     publisher.forget("u")
-    answer = publisher.track(job("u"), shown=8)
+    answer = publisher.track(job("u"), shown=[8])
     for text in ("Hi there", ", how"):
         publisher.outbox.put([TokenDelta("u", text, [4])])
         time.sleep(0.05)

@@ -121,11 +121,12 @@ def next_model_dir(tmp_path, tokenizer):
 
 
 def stream_logprobs(url: str, text: str, started: threading.Event, out: dict) -> None:
-    """A streaming API answer with log-probabilities: its id, its text, the tokens whose log-probabilities came
-    with it and its usage; `started` is set at its first text."""
-    body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0, "max_tokens": 1500,
-            "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 2}
-    out.update(id=None, text="", tokens=[], usage=None)
+    """A streaming API answer of two choices with log-probabilities: its id, each choice's text and the tokens
+    whose log-probabilities came with it, its usage; `started` is set at its first text."""
+    body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0.8, "seed": 4,
+            "max_tokens": 1500, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
+            "top_logprobs": 2}
+    out.update(id=None, text={}, tokens={}, usage=None)
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -136,9 +137,11 @@ def stream_logprobs(url: str, text: str, started: threading.Event, out: dict) ->
                 if not chunk["choices"]:
                     continue
                 choice = chunk["choices"][0]
-                out["text"] += choice["delta"].get("content") or ""
-                out["tokens"] += [bytes(e["bytes"]) for e in (choice.get("logprobs") or {}).get("content") or ()]
-                if out["text"]:
+                i = choice["index"]
+                out["text"][i] = out["text"].get(i, "") + (choice["delta"].get("content") or "")
+                out["tokens"][i] = out["tokens"].get(i, []) + [
+                    bytes(e["bytes"]) for e in (choice.get("logprobs") or {}).get("content") or ()]
+                if any(out["text"].values()):
                     started.set()
 
 
@@ -160,7 +163,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
         accepted = [client.next(30) for client in clients]
         assert all(name == "accepted" for name, _ in accepted), accepted
         seen = [[client.next(30)] for client in clients]   # every answer has started streaming
-        # An API client streaming an answer with log-probabilities: they go on too.
+        # An API client streaming two choices with log-probabilities: they go on too.
         api, api_started = {}, threading.Event()
         api_thread = threading.Thread(target=stream_logprobs, args=(url, API_MESSAGES["stream"], api_started, api))
         api_thread.start()
@@ -182,11 +185,12 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
     assert handed_back, "no answer was still running when the grace period ended"
     log = (stack.workdir / "worker.log").read_text()
     assert "goes on from the" in log, "no answer continued from its tokens"
-    # The API answer went on from its tokens, log-probabilities and all: each token's came once.
-    assert not api_thread.is_alive() and api["text"] and api["usage"]
-    assert len(api["tokens"]) == api["usage"]["completion_tokens"]
-    assert f"{api['id']} goes on from the" in log, "the answer with log-probabilities was generated again"
+    # The API answer's choices went on from their tokens, log-probabilities and all: each token's came once.
+    assert not api_thread.is_alive() and set(api["text"]) == {0, 1} and api["usage"]
+    assert sum(map(len, api["tokens"].values())) == api["usage"]["completion_tokens"]
+    assert f"{api['id']} goes on from the" in log, "the answer with choices and log-probabilities was generated again"
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
+    assert not r.exists(*(shown_key(api["id"], i) for i in range(2)), shown_at_key(api["id"]))
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]
         assert name == "done" and done["finish_reason"] in ("stop", "length"), events[-1]

@@ -32,11 +32,13 @@ def test_fit_to_context_drops_oldest_turns_but_keeps_system_and_newest(tiny):
 
 
 def test_a_redelivered_answer_streams_only_what_clients_have_not_seen():
-    answer = Answer({"request_id": "r"}, shown=7)   # an earlier delivery showed "Hello, "
+    answer = Answer({"request_id": "r"}, shown={0: 7, 1: 2})   # an earlier delivery showed "Hello, " and "Hi"
     assert answer.unseen("Hel") is None
     assert answer.unseen("lo, wo") == ("wo", 7)        # regenerated text resumes mid-delta
     assert answer.unseen("rld") == ("rld", 9)
-    fresh = Answer({"request_id": "s"}, shown=0)
+    assert answer.unseen("Hi there", index=1) == (" there", 2), "each choice resumes after its own"
+    assert answer.unseen("!", index=2) == ("!", 0)
+    fresh = Answer({"request_id": "s"}, shown={})
     assert fresh.unseen("Hi") == ("Hi", 0) and fresh.unseen("") is None and fresh.unseen("!") == ("!", 2)
 
 

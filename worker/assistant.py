@@ -156,7 +156,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
             ids, lead_text = ids + lead_ids, ""
             params = without_numbers(replace(params, stop=(*params.stop, *LEAD_STOPS)), rt.engine.tokenizer)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
-        stream = continuation.submit(rt.engine, rid, ids, continued, params=params,
+        stream = continuation.submit(rt.engine, rid, ids, [continued] if continued else None, params=params,
                                      arrival_time=job.get("enqueued_at"), service_class=service_class(job))
         parser, seen = StreamParser(f"{rid}:{n}"), False
         last: RequestFinished | None = None

@@ -111,19 +111,20 @@ class Shown:
         return ids if decode(ids) == self.text else None
 
 
-def submit(engine: LLMEngine, request_id: str, prompt_ids: list[int], continued: list[int] | None,
+def submit(engine: LLMEngine, request_id: str, prompt_ids: list[int], continued: list[list[int]] | None,
            **kwargs) -> RequestStream:
-    """engine.submit, the answer going on after `continued` (what an earlier delivery showed) where the engine can
-    continue it; where it cannot (say the answer has several choices, or already has every token it may),
-    the answer is generated again from its start, as the stream resumes after the characters shown."""
-    if continued:
+    """engine.submit, each choice's answer going on after its tokens in `continued` (what an earlier delivery
+    showed) where the engine can continue it; where it cannot (say an answer already has every token it may),
+    the answers are generated again from their start, as each stream resumes after the characters shown."""
+    count = sum(len(tokens) for tokens in continued or ())
+    if count:
         try:
             stream = engine.submit(request_id, prompt_token_ids=prompt_ids, continued=continued, **kwargs)
-            log.info("%s goes on from the %d tokens shown before", request_id, len(continued))
+            log.info("%s goes on from the %d tokens shown before", request_id, count)
             return stream
         except InvalidRequestError as exc:
             if "already in use" in str(exc):
                 raise
             log.warning("%s cannot go on from the %d tokens shown before (%s); generating it again", request_id,
-                        len(continued), exc)
+                        count, exc)
     return engine.submit(request_id, prompt_token_ids=prompt_ids, **kwargs)

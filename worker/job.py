@@ -13,7 +13,7 @@ from sqlalchemy.exc import IntegrityError
 
 from messaging.contract import cancelled_key, shown_at_key, shown_key, streamed_key
 from messaging.generation import Generation, GenerationError
-from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TEMPLATE, TOOLS, replayable, service_class
+from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TEMPLATE, TOOLS, choices, replayable, service_class
 from messaging.prompts import TemplateOptions
 from messaging.stream import STARTED
 from models import Message, RequestRecord
@@ -105,19 +105,19 @@ class Job:
         if self.spec.get(HTTP_REQUEST_ID):
             log.info("answering %s (x-request-id %s)", self.request_id, self.spec[HTTP_REQUEST_ID])
         self.announce_start()
-        # A redelivered request goes on from the tokens an earlier delivery showed, and its stream resumes after
-        # their characters. Where it cannot (worker/continuation.py), it is generated again: the same tokens
-        # where the numerics are the same (its seed was fixed when it was accepted).
-        shown = self.streamed_chars()
-        earlier = self.shown_answer(shown) if shown else None
-        self.first_shown = self.shown_since() if shown else None
-        pending = self.with_tools(shown, earlier) if assistant.serves(self.spec) else self.submit(shown, earlier)
+        # A redelivered request goes on from the tokens an earlier delivery showed of each choice, and each
+        # choice's stream resumes after their characters. Where it cannot (worker/continuation.py), it is generated
+        # again: the same tokens where the numerics are the same (its seed was fixed when it was accepted).
+        shown = [self.streamed_chars(i) for i in range(choices(self.spec))]
+        earlier = [self.shown_answer(i, chars) if chars else None for i, chars in enumerate(shown)]
+        self.first_shown = self.shown_since() if any(shown) else None
+        pending = self.with_tools(shown, earlier[0]) if assistant.serves(self.spec) else self.submit(shown, earlier)
         if pending is not None:
             self.conclude(pending)
 
     # ---- generating ---------------------------------------------------------------------------------
 
-    def submit(self, shown: int, earlier: Shown | None = None) -> Answer | None:
+    def submit(self, shown: list[int], earlier: list[Shown | None]) -> Answer | None:
         """The answer under way, or None when the request was answered with an error (or is already running)."""
         job, engine = self.spec, self.rt.engine
         try:
@@ -130,7 +130,8 @@ class Job:
                 _, prompt_ids = fit_to_context(engine, job["messages"], reserve=reserve, tools=job.get(TOOLS),
                                                options=TemplateOptions.from_json(job.get(TEMPLATE)))
             echo = self.prompt_text(prompt_ids) if job.get(ECHO) else None
-            continued = earlier.tokens(engine.tokenizer, params.skip_special_tokens) if earlier else None
+            continued = [(e.tokens(engine.tokenizer, params.skip_special_tokens) if e else None) or []
+                         for e in earlier]
             return self.start(prompt_ids, params, shown, echo, continued)
         except (InvalidRequestError, InvalidParamsError, StructureError, GenerationError) as exc:
             if "already in use" in str(exc):   # the same request is being answered in this process
@@ -138,12 +139,12 @@ class Job:
             self.fail(refusal_code(exc, self.spec), str(exc))
             return None
 
-    def start(self, prompt_ids: list[int], params: SamplingParams, shown: int, echo: str | None = None,
-              continued: list[int] | None = None) -> Answer | None:
+    def start(self, prompt_ids: list[int], params: SamplingParams, shown: list[int], echo: str | None = None,
+              continued: list[list[int]] | None = None) -> Answer | None:
         """Submit the request to the engine; its text streams out from the publisher's thread, past the first
-        `shown` characters (what clients were sent by an earlier delivery, written by `continued`). `echo`: the
-        prompt's text, for a client that asked for it before the answer. Bad requests raise here; None when this
-        worker is answering the request already."""
+        `shown` characters of each choice (what clients were sent by an earlier delivery, written by its tokens in
+        `continued`). `echo`: the prompt's text, for a client that asked for it before the answer. Bad requests
+        raise here; None when this worker is answering the request already."""
         publisher = self.rt.publisher
         answer = publisher.track(self.spec, shown)
         if answer is None:
@@ -162,7 +163,7 @@ class Job:
             raise
         return answer
 
-    def with_tools(self, shown: int, earlier: Shown | None = None) -> Answer | None:
+    def with_tools(self, shown: list[int], earlier: Shown | None = None) -> Answer | None:
         """A chat message whose assistant has tools or grounded answers: the lookups and tool rounds run here, and
         only the text meant for the customer streams out. None when the request was answered with an error or is
         running already."""
@@ -228,20 +229,21 @@ class Job:
 
     # ---- what Redis knows of it ---------------------------------------------------------------------
 
-    def streamed_chars(self) -> int:
+    def streamed_chars(self, index: int = 0) -> int:
         rt = self.rt
-        return int(rt.redis_retrying(lambda: rt.redis.get(streamed_key(self.request_id)), "reading a stream position")
-                   or 0)
+        return int(rt.redis_retrying(lambda: rt.redis.get(streamed_key(self.request_id, index)),
+                                     "reading a stream position") or 0)
 
-    def shown_answer(self, chars: int) -> Shown | None:
-        """What an earlier delivery showed of the answer, with the tokens that wrote it; None without a record of
-        all `chars` characters."""
+    def shown_answer(self, index: int, chars: int) -> Shown | None:
+        """What an earlier delivery showed of choice `index`, with the tokens that wrote it; None without a record
+        of all `chars` characters."""
         rt = self.rt
-        entries = rt.redis_retrying(lambda: rt.redis.lrange(shown_key(self.request_id), 0, -1),
+        entries = rt.redis_retrying(lambda: rt.redis.lrange(shown_key(self.request_id, index), 0, -1),
                                     "reading what was shown of an answer")
         earlier = Shown.read(entries, chars)
         if earlier is None:
-            log.info("no record of the %d characters shown of %s: generating it again", chars, self.request_id)
+            log.info("no record of the %d characters shown of %s (choice %d): generating it again", chars,
+                     self.request_id, index)
         return earlier
 
     def shown_since(self) -> float | None:

@@ -20,7 +20,7 @@ from worker.token_json import TokenJson
 log = logging.getLogger(__name__)
 
 # Each window's stream positions and records of what was shown (worker/continuation.py), for every request in one
-# command: KEYS are each request's streamed_key and shown_key, ARGV the time they are kept, then each request's
+# command: KEYS are each choice's streamed_key and shown_key, ARGV the time they are kept, then each choice's
 # position and record (empty: none).
 RECORD = """
 for i = 1, #KEYS, 2 do
@@ -42,7 +42,7 @@ class Answer:
     """A request this worker is answering: how far each choice's text has got, and its end once it comes."""
 
     job: dict
-    shown: int                  # characters of choice 0 clients were already sent, by this delivery or an earlier one
+    shown: dict[int, int]       # choice -> characters clients were already sent, by this delivery or an earlier one
     produced: dict[int, int] = field(default_factory=dict)   # choice -> characters this delivery has generated
     choices: dict[int, RequestFinished] = field(default_factory=dict)   # each choice's end, as it comes
     ends: queue.Queue[RequestFinished] = field(default_factory=queue.Queue)   # the request's last end
@@ -53,21 +53,19 @@ class Answer:
     echo_waits: bool = False
     prompt_logprobs: list[TokenLogprob | None] | None = None
     echoed: bool = False
-    stamped: bool = False   # this delivery has sent choice 0's text, and the time of the first is kept
+    stamped: bool = False   # this delivery has sent text, and the time of the first is kept
 
     def unseen(self, text: str, index: int = 0, carries: bool = False) -> tuple[str, int] | None:
-        """The part of a choice's next `text` that no client was sent yet, with its offset in that choice's answer.
-        Only choice 0 resumes after what an earlier delivery showed (the chat's one choice); the others are sent
-        from their start, and API clients drop what they have by its offset. `carries`: the delta holds more than
-        its text (log-probabilities), so it goes out even with no new text."""
+        """The part of a choice's next `text` that no client was sent yet, with its offset in that choice's answer:
+        each choice resumes after what an earlier delivery showed of it. `carries`: the delta holds more than its
+        text (log-probabilities), so it goes out even with no new text."""
         start = self.produced.get(index, 0)
         end = self.produced[index] = start + len(text)
-        shown = self.shown if index == 0 else 0
+        shown = self.shown.get(index, 0)
         if end <= shown and (start < shown or not carries) or not (text or carries):
             return None
         new = text[max(0, shown - start):]
-        if index == 0:
-            self.shown = max(shown, end)
+        self.shown[index] = max(shown, end)
         return new, end - len(new)
 
     def wait(self, timeout: float | None = None) -> RequestFinished | None:
@@ -98,21 +96,22 @@ class Publisher:
         self.answers: dict[str, Answer] = {}
         self.lock = threading.Lock()
         self.blind = False   # text deltas are failing to reach Redis
-        # (request id, choice) -> text not sent yet, in order, the log-probabilities of its tokens and, for
-        # choice 0, the tokens behind each part of the text (its record: worker/continuation.py)
+        # (request id, choice) -> text not sent yet, in order, the log-probabilities of its tokens and the tokens
+        # behind each part of the text (its record: worker/continuation.py)
         self.pending: dict[tuple[str, int], tuple[list[str], list[TokenLogprob], list[list[int] | None]]] = {}
-        self.unwritten: dict[str, list[int]] = {}   # request id -> choice 0's tokens whose text has not come yet
+        self.unwritten: dict[tuple[str, int], list[int]] = {}   # (request id, choice) -> tokens whose text has not come
         self.sent_at = 0.0   # monotonic time of the last send
         self.batches = 0     # messages published, for tests and benchmarks
         threading.Thread(target=self._run, name="publisher", daemon=True).start()
 
-    def track(self, job: dict, shown: int) -> Answer | None:
-        """Start following a request before it is submitted, so none of its events go unclaimed; None when
-        this worker is answering it already (a second delivery of a request under way)."""
+    def track(self, job: dict, shown: list[int]) -> Answer | None:
+        """Start following a request before it is submitted, so none of its events go unclaimed; `shown`: the
+        characters of each choice an earlier delivery sent. None when this worker is answering it already (a
+        second delivery of a request under way)."""
         with self.lock:
             if job["request_id"] in self.answers:
                 return None
-            answer = self.answers[job["request_id"]] = Answer(job, shown)
+            answer = self.answers[job["request_id"]] = Answer(job, dict(enumerate(shown)))
         return answer
 
     def forget(self, request_id: str) -> None:
@@ -154,16 +153,17 @@ class Publisher:
                     urgent |= answer is not None and not answer.produced.get(event.index)   # its first text
                 held[0].append(event.text)
                 held[1].extend(event.logprobs or ())
-                if event.index == 0:   # the tokens behind the text (none for the worker's own), those carried too
-                    carried = self.unwritten.pop(event.request_id, None) if self.unwritten else None
-                    tokens = continuation.tokens_of(event)
-                    held[2].append(carried + tokens if carried and tokens is not None else tokens)
-            elif isinstance(event, TokenDelta) and event.token_ids and event.index == 0:
+                # the tokens behind the text (none for the worker's own), those carried too
+                carried = self.unwritten.pop(key, None) if self.unwritten else None
+                tokens = continuation.tokens_of(event)
+                held[2].append(carried + tokens if carried and tokens is not None else tokens)
+            elif isinstance(event, TokenDelta) and event.token_ids:
                 # A character's first bytes: its text comes with a later token, which carries these too.
-                self.unwritten.setdefault(event.request_id, []).extend(event.token_ids)
+                self.unwritten.setdefault((event.request_id, event.index), []).extend(event.token_ids)
             elif isinstance(event, RequestFinished):
                 urgent = True   # its last text goes out before its end can
-                self.unwritten.pop(event.request_id, None)
+                if self.unwritten:
+                    self.unwritten.pop((event.request_id, event.index), None)
         if self.pending and (urgent or time.monotonic() - self.sent_at >= self.window_s):
             self.flush()
         self._hand_over_ends(events)   # after the text: a request's end is never sent before its last delta
@@ -177,9 +177,9 @@ class Publisher:
         for (rid, index), (parts, logprobs, tokens) in pending.items():
             answer, joined = answers[rid], "".join(parts)
             unseen = answer.unseen(joined, index, carries=bool(logprobs)) if answer is not None else None
-            if unseen is not None:   # choice 0's text is recorded, less what an earlier delivery showed
+            if unseen is not None:   # the text is recorded, less what an earlier delivery showed
                 shown = continuation.record(list(zip(parts, tokens)), len(joined) - len(unseen[0])) \
-                    if index == 0 and unseen[0] else ""
+                    if unseen[0] else ""
                 deltas.append((answer, index, unseen, logprobs, shown))
         if deltas:
             self.send(deltas)
@@ -187,7 +187,7 @@ class Publisher:
     def send(self, deltas: list[tuple[Answer, int, tuple[str, int], list[TokenLogprob], str]]) -> None:
         """Every request's text delta in one message, and the stream positions after them, in one transaction:
         a worker killed here has either shown a text and recorded its position, or neither, so a redelivery
-        never shows text twice, even to a client that ignores offsets. Choice 0's text is recorded too, with the
+        never shows text twice, even to a client that ignores offsets. Each choice's text is recorded too, with the
         tokens that wrote it, so that a redelivery goes on from them (worker/continuation.py), and the time text was
         first sent, which a redelivery keeps as its time to first token. While Redis is down the deltas are lost
         (the final event carries the whole text, and clients see the gap in the offsets)."""
@@ -206,12 +206,12 @@ class Publisher:
                 data["prompt"] = answer.echo(answer.prompt_logprobs)
                 answer.echoed = True
             events.append(event_for(answer.job, "token", data))
-            if index == 0:
-                keys += (streamed_key(rid), shown_key(rid))
-                positions += (offset + len(text), shown)
-                if text and not answer.stamped:   # an earlier delivery's first text keeps its time
-                    pipe.set(shown_at_key(rid), repr(now), ex=STREAMED_TTL_S, nx=True)
-                    first.append(answer)
+            keys += (streamed_key(rid, index), shown_key(rid, index))
+            positions += (offset + len(text), shown)
+            if text and not answer.stamped:   # an earlier delivery's first text keeps its time
+                pipe.set(shown_at_key(rid), repr(now), ex=STREAMED_TTL_S, nx=True)
+                answer.stamped = True
+                first.append(answer)
         if keys:
             pipe.eval(RECORD, len(keys), *keys, STREAMED_TTL_S, *positions)
         pipe.publish(STREAM_CHANNEL, encode_batch(events))
@@ -219,13 +219,13 @@ class Publisher:
             pipe.execute()
         except redis.RedisError as exc:
             self.on_redis_error()
+            for answer in first:   # its first text's time was not kept: the next text's is
+                answer.stamped = False
             if not self.blind:
                 log.warning("cannot stream answers while Redis is unreachable (%s); their ends are sent later", exc)
             self.blind = True
             return
         self.batches += 1
-        for answer in first:
-            answer.stamped = True
         if self.blind:
             self.blind = False
             log.info("streaming answers again")

@@ -158,13 +158,14 @@ class LLMEngine:
     def make_sequence(self, request_id: str, prompt_token_ids: list[int] | None = None,
                       messages: list[dict] | None = None, params: SamplingParams | None = None,
                       arrival_time: float | None = None, service_class: str = "standard",
-                      continued: list[int] | None = None) -> Sequence:
+                      continued: list[list[int]] | None = None) -> Sequence:
         """Validate a request and build its state; raises InvalidRequestError or InvalidParamsError.
 
         Returns the first choice; `group` holds all n. A structure is compiled here, in the caller's thread (once
         per distinct structure: later requests copy the compiled matcher). service_class: one of
         SERVICE_CLASSES, which the scheduler serves in order (scheduler.py). `continued`: the first tokens of
-        the answer, written before (by a worker that stopped mid-answer); see _continue."""
+        each choice's answer, written before (by a worker that stopped mid-answer; none for a choice left out or
+        empty); see _continue."""
         params = params or SamplingParams()
         params.validate()
         if service_class not in SERVICE_CLASSES:
@@ -218,7 +219,12 @@ class LLMEngine:
             seq.group = group
             seq.detokenizer.armed = params.min_tokens == 0 and seq.matcher is None
         if continued:
-            self._continue(group[0], list(continued))
+            if len(continued) > params.n:
+                raise InvalidRequestError(f"{len(continued)} answers to continue, but the request has {params.n} "
+                                          "choices (n).")
+            for seq, tokens in zip(group, continued):
+                if tokens:
+                    self._continue(seq, list(tokens))
         return group[0]
 
     def _continue(self, seq: Sequence, tokens: list[int]) -> None:
@@ -228,8 +234,6 @@ class LLMEngine:
         log-probabilities, where the request asks for them, are scored from the prefill's rows as a prompt's are
         (the delta sends only the new token's: a client already has theirs; the answer's end has all)."""
         params = seq.params
-        if params.n != 1:
-            raise InvalidRequestError("Only a request with one choice (n = 1) can continue an earlier answer.")
         if len(tokens) >= params.max_new_tokens:
             raise InvalidRequestError(f"The answer to continue already has {len(tokens)} tokens; max_new_tokens "
                                       f"({params.max_new_tokens}) leaves none to add.")
@@ -256,7 +260,7 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | None = None,
                     messages: list[dict] | None = None, params: SamplingParams | None = None,
                     arrival_time: float | None = None, service_class: str = "standard",
-                    continued: list[int] | None = None) -> Sequence:
+                    continued: list[list[int]] | None = None) -> Sequence:
         seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class,
                                  continued)
         self._enqueue(seq)
@@ -266,7 +270,7 @@ class LLMEngine:
         if seq.request_id in self.seqs:
             raise InvalidRequestError(f"Request id {seq.request_id!r} is already in use; use a new id.")
         self.seqs[seq.request_id] = seq
-        self.num_continued += seq.continued > 0
+        self.num_continued += any(choice.continued for choice in seq.group)
         for choice in seq.group:
             self.scheduler.add(choice)
 
@@ -693,7 +697,7 @@ class LLMEngine:
     def submit(self, request_id: str, prompt_token_ids: list[int] | None = None,
                messages: list[dict] | None = None, params: SamplingParams | None = None,
                arrival_time: float | None = None, outbox: queue.Queue[list[Event]] | None = None,
-               service_class: str = "standard", continued: list[int] | None = None) -> RequestStream:
+               service_class: str = "standard", continued: list[list[int]] | None = None) -> RequestStream:
         """Queue a request from any thread; bad requests raise here, in the caller's thread."""
         seq = self.make_sequence(request_id, prompt_token_ids, messages, params, arrival_time, service_class,
                                  continued)

@@ -116,10 +116,11 @@ def test_a_continued_answer_with_logprobs_has_the_continued_tokens_scored_as_if_
     assert done.token_ids == whole.token_ids and all(map(same_logprobs, done.logprobs, whole.logprobs))
 
 
-def every_choice(tiny, ids: list[int], params: SamplingParams, continued: list[list[int]] | None = None):
+def every_choice(tiny, ids: list[int], params: SamplingParams, continued: list[list[int]] | None = None,
+                 overlap: bool = False):
     """Each choice's end and the text its deltas carried, by choice."""
     model, tok = tiny
-    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=96))
+    engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=96, overlap_steps=overlap))
     engine.add_request("me", prompt_token_ids=ids, params=params, continued=continued)
     ends, texts = {}, {}
     while engine.has_unfinished():
@@ -131,8 +132,8 @@ def every_choice(tiny, ids: list[int], params: SamplingParams, continued: list[l
     return ends, texts
 
 
-@pytest.mark.parametrize("logprobs", [None, 2], ids=["plain", "logprobs"])
-def test_each_choice_goes_on_from_its_own_tokens(tiny, logprobs):
+@pytest.mark.parametrize("logprobs, overlap", [(None, False), (2, True)], ids=["plain", "logprobs-overlapped"])
+def test_each_choice_goes_on_from_its_own_tokens(tiny, logprobs, overlap):
     """n choices, each shown in part (one not at all): every one ends as it would have, from its own seed."""
     _, tok = tiny
     ids = chat_ids(tok, QUESTIONS[2])
@@ -140,7 +141,7 @@ def test_each_choice_goes_on_from_its_own_tokens(tiny, logprobs):
     whole, _ = every_choice(tiny, ids, SamplingParams(**params))
     assert len({tuple(e.token_ids) for e in whole.values()}) == 3, "the choices differ"
     shown = [whole[0].token_ids[:5], [], whole[2].token_ids[:11]]
-    done, texts = every_choice(tiny, ids, SamplingParams(**params), continued=shown)
+    done, texts = every_choice(tiny, ids, SamplingParams(**params), continued=shown, overlap=overlap)
     for i in range(3):
         assert done[i].token_ids == whole[i].token_ids and done[i].text == whole[i].text == texts[i], i
         assert done[i].continued_tokens == len(shown[i])

@@ -90,9 +90,10 @@ def test_choices_are_stored_as_one_record_and_reported_each_with_its_own_end():
                             first_token_time=now + 1, finished_time=now + 2, mean_batch_size=1.0, finished=False,
                             stop_reason="END")
     second = replace(first, text="Hello", completion_tokens=3, finish_reason="length", index=1, stop_reason=None,
-                     first_token_time=now + 0.5, finished_time=now + 3, finished=True)
+                     first_token_time=now + 0.5, finished_time=now + 3, finished=True, continued_tokens=2)
     record = combined([first, second])
     assert (record.text, record.completion_tokens, record.finish_reason) == ("Hi", 4, "stop")
+    assert record.continued_tokens == 2, "an earlier delivery wrote 2 of the 4: the worker generated 2"
     assert (record.first_token_time, record.finished_time) == (now + 0.5, now + 3)
     assert combined([first, replace(second, finish_reason="error", error="boom")]).error == "boom"
     fields = api_fields({"request_id": "r"}, [first, second], None, lambda ids: "")

@@ -22,11 +22,12 @@ def outcome(job: dict, finish_reason: str, text: str, prompt_tokens: int, comple
 
 
 def combined(ends: list[RequestFinished]) -> RequestFinished:
-    """One record of a request's choices: the first's text and timings, every choice's tokens; an error in any
-    choice is the request's."""
+    """One record of a request's choices: the first's text and timings, every choice's tokens (and those an earlier
+    delivery wrote); an error in any choice is the request's."""
     first = ends[0]
     failed = next((e for e in ends if e.finish_reason == "error"), None)
     return replace(first, completion_tokens=sum(e.completion_tokens for e in ends),
+                   continued_tokens=sum(e.continued_tokens for e in ends),
                    finish_reason=failed.finish_reason if failed else first.finish_reason,
                    error=failed.error if failed else first.error,
                    first_token_time=min((e.first_token_time for e in ends if e.first_token_time is not None),

@@ -39,6 +39,9 @@ class RequestRecord(Base):
     finished_at: Mapped[datetime | None] = mapped_column(index=True)
     prompt_tokens: Mapped[int | None]
     completion_tokens: Mapped[int | None]
+    # Of completion_tokens, those an earlier delivery wrote: the answer was handed back mid-stream (a worker stopped
+    # or died) and went on from what its customer had read (worker/continuation.py). 0 or None: written at once.
+    continued_tokens: Mapped[int | None]
     cached_tokens: Mapped[int | None]
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     # Mean number of sequences that shared this request's forward passes.
@@ -58,12 +61,14 @@ class RequestRecord(Base):
 
     @property
     def ttft(self) -> float | None:
-        """Time to first token in seconds, as the client sees it (queueing included)."""
+        """Time to first token in seconds, as the client sees it (queueing included; for an answer handed back, its
+        first text from the earlier delivery)."""
         return _seconds(self.enqueued_at, self.first_token_at)
 
     @property
     def tpot(self) -> float | None:
-        """Mean seconds per output token after the first; None with fewer than two tokens."""
+        """Mean seconds per output token after the first, as the client had them (a hand-back's pause included);
+        None with fewer than two tokens."""
         decode = _seconds(self.first_token_at, self.finished_at)
         if decode is None or self.completion_tokens is None or self.completion_tokens < 2:
             return None

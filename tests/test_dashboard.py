@@ -274,7 +274,7 @@ def make_records(now: float) -> list[RequestRecord]:
             enqueued_at=at(enqueued), admitted_at=at(admitted) if admitted else None,
             first_token_at=at(first) if first else None, finished_at=at(finished),
             prompt_tokens=rng.randint(20, 300), completion_tokens=tokens, cached_tokens=rng.randint(0, 20),
-            finish_reason=reason, batch_size=rng.uniform(1, 4),
+            finish_reason=reason, batch_size=rng.uniform(1, 4), continued_tokens=tokens // 2 if i % 7 == 0 else 0,
             error="<img src=x onerror=alert(1)> worker lost" if reason == "error" else None,
             service_class=rng.choice(["interactive", "standard", "bulk", None])))   # None: written before classes
     # Still queued: not finished, so in no window.
@@ -408,6 +408,7 @@ def test_the_json_figures_equal_figures_computed_from_the_rows(figures_client, s
     for s in body["slowest"]:
         r = by_id[s["request_id"]]
         assert (s["queue_wait"], s["ttft"], s["tpot"], s["e2e"]) == pytest.approx((r.queue_wait, r.ttft, r.tpot, r.e2e))
+        assert s["continued_tokens"] == r.continued_tokens
     assert [e["request_id"] for e in body["recent_errors"]] == want["errors"]
     assert all(e["error"] == "<img src=x onerror=alert(1)> worker lost" for e in body["recent_errors"])
 

@@ -48,6 +48,11 @@ def test_the_dashboard_draws_its_charts_and_updates_live(browser, stack, db):
         s.add(RequestRecord(request_id=f"dashboard-test-{uuid.uuid4().hex[:8]}", source="api",
                             enqueued_at=now - timedelta(seconds=2), finished_at=now, finish_reason="error",
                             prompt_tokens=0, completion_tokens=0, error=HOSTILE))
+        # An answer handed back mid-stream: the slowest of the window, and it says how much came before.
+        s.add(RequestRecord(request_id=f"dashboard-test-{uuid.uuid4().hex[:8]}", source="chat",
+                            enqueued_at=now - timedelta(seconds=600), admitted_at=now - timedelta(seconds=599),
+                            first_token_at=now - timedelta(seconds=598), finished_at=now, finish_reason="stop",
+                            prompt_tokens=40, completion_tokens=300, continued_tokens=120))
         s.commit()
     for i in range(3):
         ask(stack.web_urls[i % 2], i)
@@ -76,6 +81,7 @@ def test_the_dashboard_draws_its_charts_and_updates_live(browser, stack, db):
             page.wait_for_selector(f'.chart[data-chart="{name}"][data-points]:not([data-points="0"])')
         assert all(n > 500 for n in page.evaluate(PAINTED)), "every chart is drawn"
         assert page.locator("#slowest tbody tr").count() >= 3
+        assert "40 / 300 (120 before a hand-back)" in page.text_content("#slowest tbody tr:first-child")
         assert number(page.text_content("#now-workers")) >= 1
         assert page.text_content("#latency-table tr[data-metric=ttft] [data-q=p90]") != "–"
 

@@ -191,6 +191,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
     assert f"{api['id']} goes on from the" in log, "the answer with choices and log-probabilities was generated again"
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
     assert not r.exists(*(shown_key(api["id"], i) for i in range(2)), shown_at_key(api["id"]))
+    continued = []
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]
         assert name == "done" and done["finish_reason"] in ("stop", "length"), events[-1]
@@ -201,5 +202,7 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
             record = s.get(RequestRecord, acc["request_id"])
         # Its time to first token is the one its customer saw, before the stop, not the continuation's.
         assert record.first_token_at.timestamp() < stopped_wall
+        continued.append(record.continued_tokens)
         assert not r.exists(shown_key(acc["request_id"]), shown_at_key(acc["request_id"])), \
             "the record of what was shown goes with the answer's end"
+    assert any(continued), f"the records say which answers went on after a hand-back: {continued}"

@@ -56,6 +56,7 @@ class Timing:
     finish_reason: str | None
     prompt_tokens: int | None
     completion_tokens: int | None
+    continued_tokens: int | None   # of completion_tokens, those written before a hand-back (models/records.py)
     queue_wait: float | None
     ttft: float | None
     tpot: float | None
@@ -182,7 +183,7 @@ def timings(db: Session, ids: list[str]) -> list[Timing]:
     if not ids:
         return []
     rows = db.execute(select(r.request_id, r.source, r.worker, r.finish_reason, r.prompt_tokens, r.completion_tokens,
-                             r.enqueued_at, r.admitted_at, r.first_token_at, r.finished_at)
+                             r.continued_tokens, r.enqueued_at, r.admitted_at, r.first_token_at, r.finished_at)
                       .where(r.request_id.in_(ids))).all()
     out = []
     for row in rows:
@@ -191,7 +192,8 @@ def timings(db: Session, ids: list[str]) -> list[Timing]:
         out.append(Timing(
             request_id=row.request_id, finished_at=row.finished_at.timestamp(), source=row.source,
             worker=row.worker, finish_reason=row.finish_reason, prompt_tokens=row.prompt_tokens,
-            completion_tokens=n, queue_wait=_seconds(row.enqueued_at, row.admitted_at),
+            completion_tokens=n, continued_tokens=row.continued_tokens,
+            queue_wait=_seconds(row.enqueued_at, row.admitted_at),
             ttft=_seconds(row.enqueued_at, row.first_token_at),
             tpot=decode / (n - 1) if decode is not None and n is not None and n >= 2 else None,
             e2e=_seconds(row.enqueued_at, row.finished_at)))

@@ -315,6 +315,7 @@ class Job:
             record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(self.first_token_time(done))
             record.finished_at = utc(done.finished_time)
             record.prompt_tokens, record.completion_tokens = done.prompt_tokens, done.completion_tokens
+            record.continued_tokens = done.continued_tokens
             record.cached_tokens, record.batch_size = done.cached_tokens, done.mean_batch_size
             record.finish_reason, record.error = done.finish_reason, done.error
             for role, content in job.get("tool_messages", ()) if job.get("conversation_id") else ():

@@ -197,7 +197,9 @@
     body.replaceChildren(...rows.map((r) => {
       const tr = document.createElement("tr");
       tr.dataset.requestId = r.request_id;
-      const tokens = `${fmtNumber(r.prompt_tokens)} / ${fmtNumber(r.completion_tokens)}`;
+      // An answer handed back mid-stream went on from what its customer had read: say how much of it came before.
+      const tokens = `${fmtNumber(r.prompt_tokens)} / ${fmtNumber(r.completion_tokens)}` +
+        (r.continued_tokens ? ` (${fmtNumber(r.continued_tokens)} before a hand-back)` : "");
       tr.append(cell("td", fmtTime(r.finished_at)), cell("td", r.request_id.slice(0, 12), "mono"),
                 cell("td", r.source), cell("td", REASON_LABELS[r.finish_reason] || r.finish_reason || "–"),
                 cell("td", fmtSeconds(r.queue_wait)), cell("td", fmtSeconds(r.ttft)),

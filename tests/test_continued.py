@@ -85,6 +85,20 @@ def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):
     assert done.completion_tokens == len(start) + 1
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_an_answer_continued_from_every_token_it_may_have_ends_as_it_was(tiny, overlap):
+    """Shown whole at its cap (a worker that died before storing it): computed, never drawn from again, its
+    log-probabilities scored, and its text sent as it was."""
+    _, tok = tiny
+    ids = chat_ids(tok, QUESTIONS[1])
+    params = dict(CHAT, logprobs=1, max_new_tokens=12)
+    whole, _ = answer(tiny, ids, SamplingParams(**params))
+    done, deltas = answer(tiny, ids, SamplingParams(**params), continued=[whole.token_ids], overlap=overlap)
+    assert (done.token_ids, done.text, done.finish_reason) == (whole.token_ids, whole.text, "length")
+    assert "".join(deltas) == whole.text and done.continued_tokens == 12 and done.tpot is None
+    assert all(map(same_logprobs, done.logprobs, whole.logprobs)) and len(done.logprobs) == 12
+
+
 def same_logprobs(got, want) -> bool:
     return (got.token_id, got.rank, [t for t, _ in got.top]) == (want.token_id, want.rank, [t for t, _ in want.top]) \
         and got.logprob == pytest.approx(want.logprob, abs=1e-4) \
@@ -151,7 +165,7 @@ def test_each_choice_goes_on_from_its_own_tokens(tiny, logprobs, overlap):
 
 @pytest.mark.parametrize("change, error, answers", [
     (dict(n=2), "choices", 3),
-    (dict(max_new_tokens=2), "leaves none", 1),
+    (dict(max_new_tokens=1), "more than max_new_tokens", 1),
 ])
 def test_what_cannot_continue_is_refused_with_the_reason(tiny, change, error, answers):
     _, tok = tiny

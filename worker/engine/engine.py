@@ -234,9 +234,9 @@ class LLMEngine:
         log-probabilities, where the request asks for them, are scored from the prefill's rows as a prompt's are
         (the delta sends only the new token's: a client already has theirs; the answer's end has all)."""
         params = seq.params
-        if len(tokens) >= params.max_new_tokens:
-            raise InvalidRequestError(f"The answer to continue already has {len(tokens)} tokens; max_new_tokens "
-                                      f"({params.max_new_tokens}) leaves none to add.")
+        if len(tokens) > params.max_new_tokens:   # at it, the answer ends once they are computed
+            raise InvalidRequestError(f"The answer to continue has {len(tokens)} tokens, more than max_new_tokens "
+                                      f"({params.max_new_tokens}).")
         total = seq.num_prompt_tokens + len(tokens)
         if total >= min(self.max_model_len, self.blocks.num_blocks * self.config.block_size):
             raise InvalidRequestError(f"The prompt and the answer to continue are {total} tokens, more than the "
@@ -339,9 +339,11 @@ class LLMEngine:
             emit(self._sample(sampling, logits, defer=self.config.overlap_steps))
 
     def _sampling(self, step: StepRows, logits) -> tuple[list[Sequence], torch.Tensor]:
-        """The sequences that draw a token from this step, and their logits rows. A request that only scores its
-        prompt (max_new_tokens 0) draws nothing."""
-        pairs = [(seq, row) for seq, row in zip(step.sampling, step.rows) if seq.params.max_new_tokens > 0]
+        """The sequences that draw a token from this step, and their logits rows. One that has every token it may
+        already draws nothing: a request that only scores its prompt (max_new_tokens 0), or an answer continued
+        from all of them."""
+        pairs = [(seq, row) for seq, row in zip(step.sampling, step.rows)
+                 if seq.num_completion_tokens < seq.params.max_new_tokens]
         if len(pairs) == logits.shape[0]:   # rows ascend: all of them, in order
             return step.sampling, logits
         return [seq for seq, _ in pairs], logits[upload([row for _, row in pairs], torch.long, logits.device)]
@@ -370,7 +372,7 @@ class LLMEngine:
 
     def _record_prompts(self, step: StepRows, scores: PromptScores | None) -> list[Event]:
         """Keep the step's prompt and continued tokens' log-probabilities (a chunk computed again after a
-        preemption adds nothing), and end the requests that only scored their prompt."""
+        preemption adds nothing), and end those that draw nothing (`_sampling`)."""
         if scores is not None:
             values, k = scores.packed.tolist(), 0
             for seq, first, count in scores.spans:
@@ -385,7 +387,7 @@ class LLMEngine:
                     k += 1
         events: list[Event] = []
         for seq in step.sampling:
-            if seq.params.max_new_tokens == 0:
+            if seq.num_completion_tokens >= seq.params.max_new_tokens:
                 events += self._finish(seq, "length")
         return events
 

@@ -87,8 +87,8 @@ def test_a_continued_answer_that_ends_at_once_still_sends_its_text(tiny):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_an_answer_continued_from_every_token_it_may_have_ends_as_it_was(tiny, overlap):
-    """Shown whole at its cap (a worker that died before storing it): computed, never drawn from again, its
-    log-probabilities scored, and its text sent as it was."""
+    """Shown whole at its cap or the model's context (a worker that died before storing it): computed, never
+    drawn from again, its log-probabilities scored, and its text sent as it was."""
     _, tok = tiny
     ids = chat_ids(tok, QUESTIONS[1])
     params = dict(CHAT, logprobs=1, max_new_tokens=12)
@@ -97,6 +97,13 @@ def test_an_answer_continued_from_every_token_it_may_have_ends_as_it_was(tiny, o
     assert (done.token_ids, done.text, done.finish_reason) == (whole.token_ids, whole.text, "length")
     assert "".join(deltas) == whole.text and done.continued_tokens == 12 and done.tpot is None
     assert all(map(same_logprobs, done.logprobs, whole.logprobs)) and len(done.logprobs) == 12
+    # Shown whole up to the model's context: the same.
+    to_context = dict(temperature=0.0, max_new_tokens=2000, ignore_eos=True)
+    whole, _ = answer(tiny, ids, SamplingParams(**to_context))
+    assert whole.finish_reason == "length" and len(whole.token_ids) < 2000, "the context ended it"
+    done, deltas = answer(tiny, ids, SamplingParams(**to_context), continued=[whole.token_ids], overlap=overlap)
+    assert (done.token_ids, done.text, done.finish_reason) == (whole.token_ids, whole.text, "length")
+    assert "".join(deltas) == whole.text
 
 
 def same_logprobs(got, want) -> bool:

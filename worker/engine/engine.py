@@ -238,7 +238,7 @@ class LLMEngine:
             raise InvalidRequestError(f"The answer to continue has {len(tokens)} tokens, more than max_new_tokens "
                                       f"({params.max_new_tokens}).")
         total = seq.num_prompt_tokens + len(tokens)
-        if total >= min(self.max_model_len, self.blocks.num_blocks * self.config.block_size):
+        if total > self.max_model_len or total >= self.blocks.num_blocks * self.config.block_size:
             raise InvalidRequestError(f"The prompt and the answer to continue are {total} tokens, more than the "
                                       "model's context (or the KV cache) holds.")
         outside = sorted(t for t in tokens if not 0 <= t < self.vocab)
@@ -341,9 +341,8 @@ class LLMEngine:
     def _sampling(self, step: StepRows, logits) -> tuple[list[Sequence], torch.Tensor]:
         """The sequences that draw a token from this step, and their logits rows. One that has every token it may
         already draws nothing: a request that only scores its prompt (max_new_tokens 0), or an answer continued
-        from all of them."""
-        pairs = [(seq, row) for seq, row in zip(step.sampling, step.rows)
-                 if seq.num_completion_tokens < seq.params.max_new_tokens]
+        from all of them (to max_new_tokens or the model's context)."""
+        pairs = [(seq, row) for seq, row in zip(step.sampling, step.rows) if not self._complete(seq)]
         if len(pairs) == logits.shape[0]:   # rows ascend: all of them, in order
             return step.sampling, logits
         return [seq for seq, _ in pairs], logits[upload([row for _, row in pairs], torch.long, logits.device)]
@@ -387,9 +386,13 @@ class LLMEngine:
                     k += 1
         events: list[Event] = []
         for seq in step.sampling:
-            if seq.num_completion_tokens >= seq.params.max_new_tokens:
+            if self._complete(seq):
                 events += self._finish(seq, "length")
         return events
+
+    def _complete(self, seq: Sequence) -> bool:
+        """The answer has every token it may: max_new_tokens, or the model's context."""
+        return seq.num_completion_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len
 
     def _draw_ahead(self, sampling: list[Sequence], logits) -> tuple[Readback, Readback | None] | None:
         """The step's tokens, drawn before the last step's are read back: a pending token holds its place in

@@ -124,7 +124,7 @@ def stream_logprobs(url: str, text: str, started: threading.Event, out: dict) ->
     """A streaming API answer of two choices with log-probabilities: its id, each choice's text and the tokens
     whose log-probabilities came with it, its usage; `started` is set at its first text."""
     body = {"model": "default", "messages": [{"role": "user", "content": text}], "temperature": 0.8, "seed": 4,
-            "max_tokens": 1500, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
+            "max_tokens": 600, "n": 2, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True,
             "top_logprobs": 2}
     out.update(id=None, text={}, tokens={}, usage=None)
     with requests.post(url + "/v1/chat/completions", json=body, stream=True, timeout=300) as r:

@@ -212,3 +212,27 @@ def test_a_record_that_cannot_be_read_means_generating_again(entry):
     from worker.continuation import Shown
 
     assert Shown.read([entry], 2) is None
+
+
+def test_a_continued_answer_with_logprobs_preempted_mid_way_scores_each_token_once(tiny):
+    """Chunked, preempted and computed again: each continued token's log-probability is kept once, as drawn."""
+    model, tok = tiny
+
+    def run(continued, blocks):
+        engine = LLMEngine(model, tok, EngineConfig(max_num_seqs=4, num_blocks=blocks, max_num_batched_tokens=16))
+        for i in range(3):   # others filling the pool
+            engine.add_request(f"o{i}", prompt_token_ids=list(range(100 + i, 160 + i)),
+                               params=SamplingParams(temperature=1.0, seed=i, max_new_tokens=40, ignore_eos=True))
+        engine.add_request("me", prompt_token_ids=list(range(300, 350)), continued=continued, params=SamplingParams(
+            temperature=0.8, seed=7, max_new_tokens=50, logprobs=2, prompt_logprobs=1, ignore_eos=True))
+        results = {}
+        while engine.has_unfinished():
+            results.update((e.request_id, e) for e in engine.step() if isinstance(e, RequestFinished))
+        return results["me"]
+
+    whole = run(None, 200)
+    done = run([whole.token_ids[:30]], 19)   # preempted mid-way through the continued tokens, more than once
+    assert done.preemptions > 0, "the test needs the continued answer preempted"
+    assert done.token_ids == whole.token_ids and len(done.logprobs) == 50
+    assert all(map(same_logprobs, done.logprobs, whole.logprobs))
+    assert all(a is b is None or same_logprobs(a, b) for a, b in zip(done.prompt_logprobs, whole.prompt_logprobs))

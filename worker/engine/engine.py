@@ -45,6 +45,8 @@ class StepRows:
 
     sampling: list[Sequence]   # sequences whose next token comes from this step's logits
     rows: list[int]            # the row of each
+    # prefills done this step whose answers have every token they may (Engine._complete): they draw nothing
+    complete: list[Sequence]
     # scored prefill rows (Sequence.scored_from): (sequence, first position, first row, rows)
     prompts: list[tuple[Sequence, int, int, int]]
 
@@ -339,13 +341,10 @@ class LLMEngine:
             emit(self._sample(sampling, logits, defer=self.config.overlap_steps))
 
     def _sampling(self, step: StepRows, logits) -> tuple[list[Sequence], torch.Tensor]:
-        """The sequences that draw a token from this step, and their logits rows. One that has every token it may
-        already draws nothing: a request that only scores its prompt (max_new_tokens 0), or an answer continued
-        from all of them (to max_new_tokens or the model's context)."""
-        pairs = [(seq, row) for seq, row in zip(step.sampling, step.rows) if not self._complete(seq)]
-        if len(pairs) == logits.shape[0]:   # rows ascend: all of them, in order
+        """The sequences that draw a token from this step, and their logits rows."""
+        if len(step.rows) == logits.shape[0]:   # rows ascend: all of them, in order
             return step.sampling, logits
-        return [seq for seq, _ in pairs], logits[upload([row for _, row in pairs], torch.long, logits.device)]
+        return step.sampling, logits[upload(step.rows, torch.long, logits.device)]
 
     def _score_prompts(self, step: StepRows, logits) -> PromptScores | None:
         """Queue the log-probabilities of the tokens this step's kept prefill rows score: row j of a chunk holds
@@ -385,13 +384,14 @@ class LLMEngine:
                             seq.token_ids[position], values[k], seq.params.logprobs, scores.top))
                     k += 1
         events: list[Event] = []
-        for seq in step.sampling:
-            if self._complete(seq):
-                events += self._finish(seq, "length")
+        for seq in step.complete:
+            events += self._finish(seq, "length")
         return events
 
     def _complete(self, seq: Sequence) -> bool:
-        """The answer has every token it may: max_new_tokens, or the model's context."""
+        """The answer has every token it may, so it draws nothing: a request that only scores its prompt
+        (max_new_tokens 0), or an answer continued from all its tokens (to max_new_tokens or the model's
+        context)."""
         return seq.num_completion_tokens >= seq.params.max_new_tokens or seq.num_tokens >= self.max_model_len
 
     def _draw_ahead(self, sampling: list[Sequence], logits) -> tuple[Readback, Readback | None] | None:
@@ -486,7 +486,7 @@ class LLMEngine:
 
     def _computed(self, batch: Batch) -> StepRows:
         """Count the tokens the step's pass computed; say which logits rows sample and which score prompts."""
-        sampling, rows, prompts = list(batch.decodes), list(range(len(batch.decodes))), []
+        sampling, rows, prompts, complete = list(batch.decodes), list(range(len(batch.decodes))), [], []
         row = len(batch.decodes)
         for seq, n in batch.prefills:
             first, scored = seq.num_computed_tokens, seq.scored_from   # as the runner saw them
@@ -497,7 +497,9 @@ class LLMEngine:
             if kept:
                 prompts.append((seq, first + n - kept, row, kept))
             row += kept or int(done)
-            if done:
+            if done and self._complete(seq):
+                complete.append(seq)
+            elif done:
                 sampling.append(seq)
                 rows.append(row - 1)
         for seq in batch.decodes:
@@ -505,7 +507,7 @@ class LLMEngine:
         for seq in batch.decodes + [s for s, _ in batch.prefills]:
             seq.batch_size_sum += batch.num_seqs
             seq.steps += 1
-        return StepRows(sampling, rows, prompts)
+        return StepRows(sampling, rows, complete, prompts)
 
     def _register(self, batch: Batch) -> None:
         """Offer the blocks the step filled to the prefix cache (their token ids must all be known by now).

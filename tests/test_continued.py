@@ -207,6 +207,25 @@ def test_the_record_of_what_was_shown_reads_back_into_the_tokens_that_wrote_it(t
     assert Shown([("t", ids("It"))]).tokens(tokenizer) == ids("t")
 
 
+def test_a_character_cut_between_windows_reads_back_into_the_tokens_that_wrote_it(tokenizer):
+    """A window can end inside a character: its first bytes' tokens went out (with their log-probabilities) and its
+    text with the next window. The record keeps them, so the answer goes on from the very tokens sent, not from
+    its text tokenized again (a different count of tokens: log-probabilities that no longer match the answer)."""
+    from worker.continuation import Shown, record
+    from worker.engine.detokenizer import IncrementalDetokenizer
+
+    ids = tokenizer(" 🦜🦜 parrot", add_special_tokens=False)["input_ids"]
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    parts = [(detokenizer.push_token(t), [t]) for t in ids]
+    cut = next(i for i in range(2, len(parts)) if parts[i - 1][0] == "" and parts[i - 2][0])   # inside the 2nd 🦜
+    text = "".join(t for t, _ in parts)
+    whole = Shown.read([record(parts[:cut], 0), record(parts[cut:], 0)], len(text))
+    assert whole.tokens(tokenizer) == ids
+    # Sent up to inside the character: its first bytes are where the answer goes on from.
+    upto = Shown.read([record(parts[:cut], 0)], len("".join(t for t, _ in parts[:cut])))
+    assert upto.text == " 🦜" and upto.tokens(tokenizer) == ids[:cut]
+
+
 @pytest.mark.parametrize("entry", ["not json", '{"a": 1}', '[["Hi", 5]]', '[[1, [2]]]', '[["Hi"]]'])
 def test_a_record_that_cannot_be_read_means_generating_again(entry):
     from worker.continuation import Shown

@@ -31,8 +31,9 @@ def _kind(tokens: list[int] | None) -> bool | None:
 def record(parts: list[tuple[str, list[int] | None]], skip: int) -> str:
     """The record of a sent delta made of `parts` (each delta's text and the tokens that wrote it; None for the
     worker's own text), less its first `skip` characters (shown by an earlier delivery): a JSON list of
-    [text, tokens or null], one per run of parts of one _kind."""
-    if not skip and all(tokens for _, tokens in parts):   # the common case, for every request of every window
+    [text, tokens or null], one per run of parts of one _kind, and last ["", tokens] where the delta ends inside a
+    character (its first bytes, sent with their log-probabilities: the answer goes on after them too)."""
+    if not skip and parts[-1][0] and all(tokens for _, tokens in parts):   # for every request of every window
         text = encode_basestring("".join(text for text, _ in parts))
         return f"[[{text},[{','.join(str(t) for _, tokens in parts for t in tokens)}]]]"
     runs: list[list] = []
@@ -53,6 +54,8 @@ def record(parts: list[tuple[str, list[int] | None]], skip: int) -> str:
                 runs[-1][1] += tokens
         else:
             runs.append([text, None if tokens is None else list(tokens)])
+    if carried:
+        runs.append(["", carried])
     return json.dumps(runs, ensure_ascii=False, separators=(",", ":"))
 
 
@@ -102,11 +105,16 @@ class Shown:
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
         ids: list[int] = []
+        carried: list[int] = []   # a piece without text (a character's first bytes): the next one's, or the last
         for text, tokens in self.pieces:
-            tokens = [t for t in tokens or () if t not in special]
+            tokens = carried + [t for t in tokens or () if t not in special]
+            if not text:
+                carried = tokens
+                continue
+            carried = []
             ids += tokens if tokens and decode(tokens) == text else encode(text)
         if decode(ids) == self.text:
-            return ids
+            return ids + carried
         ids = encode(self.text)
         return ids if decode(ids) == self.text else None
 

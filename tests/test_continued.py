@@ -47,8 +47,12 @@ def test_a_continued_answer_draws_the_tokens_the_whole_answer_drew(tiny, overlap
     whole, _ = answer(tiny, ids, SamplingParams(**CHAT))
     assert len(whole.token_ids) == 40
     for k in (1, 17, 39):
-        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=[whole.token_ids[:k]], overlap=overlap)
+        events = []
+        done, deltas = answer(tiny, ids, SamplingParams(**CHAT), continued=[whole.token_ids[:k]], overlap=overlap,
+                              events=events)
         assert done.token_ids == whole.token_ids, k
+        # The first delta says the answer goes on (the publisher then sends each new token's log-probabilities).
+        assert [e.continued for e in events if e.token_ids] == [k] + [0] * (39 - k)
         assert done.text == whole.text == "".join(deltas), "the deltas add up to the whole answer, continued text too"
         assert deltas[0].startswith(tok.decode(whole.token_ids[:k])), "the continued text goes out first"
         assert (done.completion_tokens, done.prompt_tokens, done.finish_reason) == (40, len(ids), "length")

@@ -42,6 +42,23 @@ def test_a_redelivered_answer_streams_only_what_clients_have_not_seen():
     assert fresh.unseen("Hi") == ("Hi", 0) and fresh.unseen("") is None and fresh.unseen("!") == ("!", 2)
 
 
+def test_a_continued_answers_log_probabilities_all_go_out_however_its_text_falls():
+    """A choice generated again sends nothing of what was shown, log-probabilities included (its client has them);
+    one that goes on from the earlier delivery's tokens carries only new tokens' (worker/continuation.py): each goes
+    out, at the client's position, even when its delta's text was all shown (the continued text, then a token that
+    writes part of a character), or when the continued text comes a few characters late."""
+    again = Answer({"request_id": "r"}, shown={0: 5})
+    assert again.unseen("Hello", carries=True) is None, "the earlier delivery sent these"
+    continued = Answer({"request_id": "r"}, shown={0: 5, 1: 5}, continued={0, 1})
+    assert continued.unseen("Hello", carries=True) == ("", 5)
+    assert continued.unseen("!", carries=True) == ("!", 5)
+    assert continued.unseen("Hel", index=1, carries=True) == ("", 5)
+    assert continued.unseen("lo", index=1, carries=True) == ("", 5)
+    assert continued.unseen(" you", index=1, carries=True) == (" you", 5)
+    text_only = Answer({"request_id": "c"}, shown={0: 5}, continued={0})   # a chat: no log-probabilities
+    assert text_only.unseen("Hel") is None and text_only.unseen("lo") is None and text_only.unseen("!") == ("!", 5)
+
+
 def test_a_lost_ack_of_an_answered_request_is_sent_again_and_a_lost_hand_back_stays_leased(tmp_path, monkeypatch):
     from worker import leases as leases_module
     from worker.leases import UNACKED, UNACKED_INDEX, Leases

@@ -54,19 +54,23 @@ class Answer:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     echoed: bool = False
     stamped: bool = False   # this delivery has sent text, and the time of the first is kept
+    continued: set[int] = field(default_factory=set)   # choices going on from an earlier delivery's tokens
 
     def unseen(self, text: str, index: int = 0, carries: bool = False) -> tuple[str, int] | None:
         """The part of a choice's next `text` that no client was sent yet, with its offset in that choice's answer:
         each choice resumes after what an earlier delivery showed of it. `carries`: the delta holds more than its
-        text (log-probabilities), so it goes out even with no new text."""
+        text (log-probabilities), so it goes out even with no new text: always for a choice that goes on from the
+        earlier delivery's tokens, whose deltas carry only new tokens' (the first one's text may all have been
+        shown: the continued text, then a token with none of its own); for one generated again only past what
+        was shown, as what came before was sent then."""
         start = self.produced.get(index, 0)
         end = self.produced[index] = start + len(text)
         shown = self.shown.get(index, 0)
-        if end <= shown and (start < shown or not carries) or not (text or carries):
+        if end <= shown and (start < shown and index not in self.continued or not carries) or not (text or carries):
             return None
         new = text[max(0, shown - start):]
         self.shown[index] = max(shown, end)
-        return new, end - len(new)
+        return new, max(shown, end) - len(new)
 
     def wait(self, timeout: float | None = None) -> RequestFinished | None:
         """The request's last end (`choices` then holds every choice's), or None when `timeout` passes first."""
@@ -138,11 +142,13 @@ class Publisher:
         """Take in a step's events; send what is due (everything, once the window has passed)."""
         urgent = False
         for event in events:
-            if isinstance(event, TokenDelta) and event.prompt_logprobs is not None:
-                with self.lock:
+            if isinstance(event, TokenDelta) and (event.prompt_logprobs is not None or event.continued):
+                with self.lock:   # a choice's first delta
                     answer = self.answers.get(event.request_id)
-                if answer is not None:   # for an echo, sent with choice 0's first text
+                if answer is not None and event.prompt_logprobs is not None:   # for an echo, with choice 0's text
                     answer.prompt_logprobs = event.prompt_logprobs
+                if answer is not None and event.continued:
+                    answer.continued.add(event.index)
             if isinstance(event, TokenDelta) and (event.text or event.logprobs):
                 key = (event.request_id, event.index)
                 held = self.pending.get(key)

@@ -84,6 +84,12 @@ def shown_at_key(request_id: str) -> str:
     return f"supportbot:shown_at:{request_id}"
 
 
+def admitted_at_key(request_id: str) -> str:
+    """When an engine first admitted a request whose answer clients were sent text of (seconds since the epoch): a
+    redelivered answer's queue wait is the one its customer had. Deleted with the answer's end."""
+    return f"supportbot:admitted_at:{request_id}"
+
+
 def snapshot_key(worker: str) -> str:
     """A worker's latest metrics exposition."""
     return METRICS_PREFIX + worker

@@ -318,6 +318,23 @@ def test_deltas_carry_each_tokens_logprob_and_index(tiny):
         assert all(entry.rank == 1 and entry.top == [] for entry in final.logprobs)   # greedy: the best token
 
 
+def test_each_choices_first_delta_says_when_the_request_was_admitted(tiny):
+    """So a redelivery can keep its customer's queue wait (worker/publisher.py): the engine's admission comes with
+    each choice's first token, and with no other."""
+    model, tok = tiny
+    engine = engine_for(model, tok)
+    engine.add_request("adm", prompt_token_ids=chat_ids(tok, "Hi"),
+                       params=SamplingParams(temperature=0, max_new_tokens=5, ignore_eos=True, n=2))
+    events = []
+    while engine.has_unfinished():
+        events += engine.step()
+    for index in (0, 1):
+        deltas = [e for e in events if isinstance(e, TokenDelta) and e.index == index]
+        final = next(e for e in events if isinstance(e, RequestFinished) and e.index == index)
+        assert len(deltas) == 5 and final.admitted_time is not None
+        assert [d.admitted_time for d in deltas] == [final.admitted_time] + [None] * 4
+
+
 def test_choice_zeros_first_delta_carries_the_whole_prompts_logprobs_when_asked(tiny):
     """So an echo streams before the answer ends: the prompt's figures come with the answer's first token."""
     model, tok = tiny

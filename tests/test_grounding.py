@@ -290,7 +290,11 @@ def test_a_tool_answer_handed_back_goes_on_from_what_the_customer_saw(sessions, 
         done = assistant.converse(rt, job, tools, SamplingParams(temperature=0, max_new_tokens=24), first, relay,
                                   lambda: False, shown=shown)
         assert [role for role, _ in job["tool_messages"]] == ["tool_call", "tool"] and done.finish_reason != "error"
-        return relay.text, [e for events in outbox.queue for e in events if isinstance(e, TokenDelta) and e.text]
+        sent = [e for events in outbox.queue for e in events if isinstance(e, TokenDelta)]
+        # The hidden call's admission is the exchange's: it comes with the first delta the customer is sent.
+        assert [e.admitted_time for e in sent if e.admitted_time is not None] == [done.admitted_time]
+        assert sent[0].admitted_time == done.admitted_time
+        return relay.text, [e for e in sent if e.text]
 
     try:
         whole, deltas = answer(engines[0])

@@ -110,14 +110,17 @@ def test_observe_puts_each_timing_in_its_bucket():
 
 def test_a_continued_answer_counts_only_the_tokens_this_worker_wrote():
     """An answer handed back mid-stream and continued (worker/continuation.py): 9 of its 11 tokens came from an
-    earlier delivery, so this worker generated 2, one 0.25 s after its first. Its customer saw the first token
-    0.4 s after the enqueue (the earlier delivery's), not 30.5 s after, and the class's objective was met."""
+    earlier delivery, so this worker generated 2, one 0.25 s after its first. Its customer waited 0.1 s in the queue
+    and saw the first token 0.4 s after the enqueue (the earlier delivery's), not 30.2 and 30.5 s, and the class's
+    objective was met."""
     from dataclasses import replace
 
     m = WorkerMetrics("w1", "tiny")
     m.observe({"enqueued_at": 100.0}, replace(finished("c", admitted=130.2, first=130.5, end=130.75, tokens=11),
-                                              continued_tokens=9), first_token_time=100.4)
+                                              continued_tokens=9), first_token_time=100.4, admitted_time=100.1)
     fams = parse(m.exposition(stats()).decode())
+    assert dict(buckets(fams, "supportbot_request_queue_time_seconds", **STD))["0.1"] == 1, \
+        "its queue wait is the earlier delivery's"
     assert value(fams, "supportbot_generation_tokens_total") == 2
     assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.2"] == 0
     assert dict(buckets(fams, "supportbot_time_per_output_token_seconds", **STD))["0.3"] == 1

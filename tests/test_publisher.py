@@ -236,3 +236,28 @@ def test_the_time_an_answers_text_was_first_sent_is_kept_across_deliveries(r):
     publisher.outbox.put([finished("u", "Hi there, how")])
     answer.ends.get(timeout=5)
     assert float(r.get(shown_at_key("u"))) == first
+
+
+def test_the_time_an_answer_was_first_admitted_is_kept_across_deliveries(r):
+    """A redelivered answer's queue wait is its customer's: the engine's admission that came with the first delivery's
+    first delta, kept once text went out (worker/job.py reads it back)."""
+    from messaging.contract import admitted_at_key
+
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0)
+    answer = publisher.track(job("a"), [0])
+    publisher.outbox.put([TokenDelta("a", "", [1], admitted_time=1000.5)])   # a character's first bytes
+    time.sleep(0.1)
+    assert r.get(admitted_at_key("a")) is None, "nothing was sent yet"
+    publisher.outbox.put([TokenDelta("a", "Hi", [2])])
+    time.sleep(0.1)
+    assert float(r.get(admitted_at_key("a"))) == 1000.5 and r.ttl(admitted_at_key("a")) > 0
+    publisher.outbox.put([finished("a", "Hi")])
+    answer.ends.get(timeout=5)
+
+    publisher.forget("a")   # the redelivery's own admission is later: the first stays
+    answer = publisher.track(job("a"), shown=[2])
+    publisher.outbox.put([TokenDelta("a", "Hi", [2], admitted_time=2000.25)])
+    publisher.outbox.put([TokenDelta("a", " you", [3])])
+    publisher.outbox.put([finished("a", "Hi you")])
+    answer.ends.get(timeout=5)
+    assert float(r.get(admitted_at_key("a"))) == 1000.5

@@ -96,6 +96,7 @@ def test_a_worker_killed_mid_answer_loses_nothing_and_shows_nothing_twice(stack,
         assert record.finished_at is not None and record.completion_tokens == done["completion_tokens"]
         if any(name == "token" for name, _ in early):   # its customer's first token, not the redelivery's
             assert record.first_token_at.timestamp() < killed_wall, "the record's TTFT is not the one the customer saw"
+            assert record.admitted_at <= record.first_token_at, "its queue wait is not the one the customer had"
 
     # The HTTP clients got exactly the answer an undisturbed greedy run gives.
     assert set(api_results) == set(API_MESSAGES)
@@ -148,7 +149,7 @@ def stream_logprobs(url: str, text: str, started: threading.Event, out: dict) ->
 def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, db, long_model_dir, next_model_dir):
     import redis
 
-    from messaging.contract import shown_at_key, shown_key
+    from messaging.contract import admitted_at_key, shown_at_key, shown_key
 
     # Without grounding's lead, whose answers end at their first line break: on the random model that came within
     # 100-350 tokens, at times before the grace was over, and nothing was left to hand back.
@@ -190,7 +191,12 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
     assert sum(map(len, api["tokens"].values())) == api["usage"]["completion_tokens"]
     assert f"{api['id']} goes on from the" in log, "the answer with choices and log-probabilities was generated again"
     r = redis.Redis.from_url(stack.env["REDIS_URL"])
-    assert not r.exists(*(shown_key(api["id"], i) for i in range(2)), shown_at_key(api["id"]))
+    assert not r.exists(*(shown_key(api["id"], i) for i in range(2)), shown_at_key(api["id"]), admitted_at_key(api["id"]))
+    with db() as s:
+        record = s.get(RequestRecord, api["id"])
+    assert record.continued_tokens and record.first_token_at.timestamp() < stopped_wall
+    # Kept from the first delivery, before its prefill: not the redelivery's, nor bounded by the first text alone.
+    assert record.admitted_at < record.first_token_at, "the API answer's queue wait is not the one its client had"
     continued = []
     for (_, acc), events in zip(accepted, streams):
         name, done = events[-1]
@@ -202,7 +208,9 @@ def test_a_worker_stopped_with_sigterm_hands_back_what_it_cannot_finish(stack, d
             record = s.get(RequestRecord, acc["request_id"])
         # Its time to first token is the one its customer saw, before the stop, not the continuation's.
         assert record.first_token_at.timestamp() < stopped_wall
+        assert record.admitted_at < record.first_token_at, "its queue wait is not the one its customer had"
         continued.append(record.continued_tokens)
-        assert not r.exists(shown_key(acc["request_id"]), shown_at_key(acc["request_id"])), \
+        assert not r.exists(shown_key(acc["request_id"]), shown_at_key(acc["request_id"]),
+                            admitted_at_key(acc["request_id"])), \
             "the record of what was shown goes with the answer's end"
     assert any(continued), f"the records say which answers went on after a hand-back: {continued}"

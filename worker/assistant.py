@@ -89,6 +89,14 @@ class Relay:
     def __init__(self, outbox: queue.Queue[list[Event]], request_id: str) -> None:
         self.outbox, self.request_id = outbox, request_id
         self.parts: list[str] = []
+        # When the engine first admitted a generation of this exchange (one whose text the customer may never see,
+        # a tool call's, included): the next delta sent carries it, as the engine's first delta does.
+        self.admitted: float | None = None
+        self.unsent_admission = False
+
+    def admit(self, admitted_time: float | None) -> None:
+        if admitted_time is not None and self.admitted is None:
+            self.admitted, self.unsent_admission = admitted_time, True
 
     def send(self, deltas: list[Delta], text: str = "", tokens: list[int] | None = None) -> bool:
         """Send what a tool parser let through of the model's `text` (written by `tokens`): with those tokens where
@@ -100,7 +108,9 @@ class Relay:
         """Send the model's `text`, written by `tokens` (empty: not known)."""
         if text or tokens:
             self.parts.append(text)
-            self.outbox.put([TokenDelta(self.request_id, text, list(tokens))])
+            admitted = self.admitted if self.unsent_admission else None
+            self.unsent_admission = False
+            self.outbox.put([TokenDelta(self.request_id, text, list(tokens), admitted_time=admitted)])
         return bool(text)
 
     def write(self, text: str) -> None:
@@ -162,6 +172,7 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         last: RequestFinished | None = None
         for event in stream:
             if isinstance(event, TokenDelta):
+                relay.admit(event.admitted_time)
                 # Without tools nothing the model writes is a call: its text goes to the customer as it is.
                 seen |= relay.send(parser.feed(event.text), event.text, event.token_ids) if tools \
                     else relay.show(event.text, event.token_ids)

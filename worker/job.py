@@ -11,7 +11,7 @@ import redis
 from celery.exceptions import Reject
 from sqlalchemy.exc import IntegrityError
 
-from messaging.contract import cancelled_key, shown_at_key, shown_key, streamed_key
+from messaging.contract import admitted_at_key, cancelled_key, shown_at_key, shown_key, streamed_key
 from messaging.generation import Generation, GenerationError
 from messaging.jobs import ECHO, HTTP_REQUEST_ID, PROMPT, STRUCTURE, TEMPLATE, TOOLS, choices, replayable, service_class
 from messaging.prompts import TemplateOptions
@@ -68,8 +68,10 @@ class Job:
     def __init__(self, rt: WorkerRuntime, spec: dict) -> None:
         self.rt, self.spec = rt, spec
         self.request_id: str = spec["request_id"]
-        # When an earlier delivery first showed this answer's text: its customer's first token, kept in its record.
+        # When an earlier delivery first showed this answer's text, and when its engine admitted it: its customer's
+        # first token and the end of their wait in the queue, kept in its record.
         self.first_shown: float | None = None
+        self.first_admitted: float | None = None
 
     def run(self) -> None:
         """The Celery task's work. Raises Reject (the request goes back to the queue) while the worker shuts down,
@@ -110,7 +112,8 @@ class Job:
         # again: the same tokens where the numerics are the same (its seed was fixed when it was accepted).
         shown = [self.streamed_chars(i) for i in range(choices(self.spec))]
         earlier = [self.shown_answer(i, chars) if chars else None for i, chars in enumerate(shown)]
-        self.first_shown = self.shown_since() if any(shown) else None
+        if any(shown):
+            self.first_shown, self.first_admitted = self.shown_since()
         pending = self.with_tools(shown, earlier[0]) if assistant.serves(self.spec) else self.submit(shown, earlier)
         if pending is not None:
             self.conclude(pending)
@@ -246,18 +249,31 @@ class Job:
                      self.request_id, index)
         return earlier
 
-    def shown_since(self) -> float | None:
-        """When an earlier delivery first sent text of this answer; None where no time was kept."""
+    def shown_since(self) -> tuple[float | None, float | None]:
+        """When an earlier delivery first sent text of this answer, and when its engine admitted it; None where no
+        time was kept."""
         rt = self.rt
-        at = rt.redis_retrying(lambda: rt.redis.get(shown_at_key(self.request_id)), "reading when an answer began")
-        try:
-            return float(at) if at is not None else None
-        except ValueError:
-            return None
+        keys = shown_at_key(self.request_id), admitted_at_key(self.request_id)
+        times = rt.redis_retrying(lambda: rt.redis.mget(keys), "reading when an answer began")
+
+        def seconds(at: bytes | None) -> float | None:
+            try:
+                return float(at) if at is not None else None
+            except ValueError:
+                return None
+        return seconds(times[0]), seconds(times[1])
 
     def first_token_time(self, done: RequestFinished) -> float | None:
         """The customer's first token: an earlier delivery's first text where there was one."""
         times = [t for t in (self.first_shown, done.first_token_time) if t is not None]
+        return min(times, default=None)
+
+    def admitted_time(self, done: RequestFinished) -> float | None:
+        """The end of the customer's wait in the queue: an earlier delivery's admission where it showed text, and
+        never after their first text (a grounded answer's lead goes out before its generation is admitted, and a
+        delivery stopped in between kept no admission)."""
+        first = self.first_token_time(done) if self.first_shown is not None else None
+        times = [t for t in (self.first_admitted, done.admitted_time, first) if t is not None]
         return min(times, default=None)
 
     def was_cancelled(self) -> bool:
@@ -299,7 +315,7 @@ class Job:
         """
         stored = self.rt.sql_retrying(lambda: self._write(done), f"storing the answer to {self.request_id}")
         if stored:
-            self.rt.metrics.observe(self.spec, done, self.first_token_time(done))
+            self.rt.metrics.observe(self.spec, done, self.first_token_time(done), self.admitted_time(done))
         return stored
 
     def _write(self, done: RequestFinished) -> bool:
@@ -312,7 +328,7 @@ class Job:
                                        api_key=job.get("api_key"), http_request_id=job.get(HTTP_REQUEST_ID))
                 db.add(record)
             record.model, record.worker = rt.model_name, rt.settings.name
-            record.admitted_at, record.first_token_at = utc(done.admitted_time), utc(self.first_token_time(done))
+            record.admitted_at, record.first_token_at = utc(self.admitted_time(done)), utc(self.first_token_time(done))
             record.finished_at = utc(done.finished_time)
             record.prompt_tokens, record.completion_tokens = done.prompt_tokens, done.completion_tokens
             record.continued_tokens = done.continued_tokens

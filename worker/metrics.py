@@ -109,14 +109,16 @@ class WorkerMetrics:
         self.engine = _EngineCollector(model)
         reg.register(self.engine)
 
-    def observe(self, job: dict, done: RequestFinished, first_token_time: float | None = None) -> None:
+    def observe(self, job: dict, done: RequestFinished, first_token_time: float | None = None,
+                admitted_time: float | None = None) -> None:
         """Once per stored record; times count from the web app's enqueue, as in request_records.
-        `first_token_time`: when the customer saw the first token, where an earlier delivery showed it (a
-        handed-back answer); TPOT stays this delivery's own."""
+        `first_token_time` and `admitted_time`: when the customer saw the first token and when the request was first
+        admitted, where an earlier delivery showed text (a handed-back answer); TPOT stays this delivery's own."""
         start = job.get("enqueued_at") or done.arrival_time
         cls = service_class(job)
-        if done.admitted_time is not None:
-            self.queue_time.labels(cls).observe(max(0.0, done.admitted_time - start))
+        admitted = admitted_time if admitted_time is not None else done.admitted_time
+        if admitted is not None:
+            self.queue_time.labels(cls).observe(max(0.0, admitted - start))
         first = first_token_time if first_token_time is not None else done.first_token_time
         if first is not None:
             ttft = max(0.0, first - start)

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import redis
 
-from messaging.contract import STREAM_CHANNEL, STREAMED_TTL_S, shown_at_key, shown_key, streamed_key
+from messaging.contract import (STREAM_CHANNEL, STREAMED_TTL_S, admitted_at_key, shown_at_key, shown_key,
+                                streamed_key)
 from messaging.stream import encode_batch, event_for
 from worker import continuation
 from worker.engine import Event, RequestFinished, TokenDelta, TokenLogprob
@@ -54,6 +55,8 @@ class Answer:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     echoed: bool = False
     stamped: bool = False   # this delivery has sent text, and the time of the first is kept
+    admitted: float | None = None   # when the engine first admitted it (its first delta says), kept once sent
+    admission_kept: bool = False
     continued: set[int] = field(default_factory=set)   # choices going on from an earlier delivery's tokens
 
     def unseen(self, text: str, index: int = 0, carries: bool = False) -> tuple[str, int] | None:
@@ -142,11 +145,14 @@ class Publisher:
         """Take in a step's events; send what is due (everything, once the window has passed)."""
         urgent = False
         for event in events:
-            if isinstance(event, TokenDelta) and (event.prompt_logprobs is not None or event.continued):
-                with self.lock:   # a choice's first delta
+            if isinstance(event, TokenDelta) and (event.prompt_logprobs is not None or event.admitted_time is not None
+                                                  or event.continued):   # a choice's first delta
+                with self.lock:
                     answer = self.answers.get(event.request_id)
                 if answer is not None and event.prompt_logprobs is not None:   # for an echo, with choice 0's text
                     answer.prompt_logprobs = event.prompt_logprobs
+                if answer is not None and event.admitted_time is not None and answer.admitted is None:
+                    answer.admitted = event.admitted_time
                 if answer is not None and event.continued:
                     answer.continued.add(event.index)
             if isinstance(event, TokenDelta) and (event.text or event.logprobs):
@@ -194,11 +200,12 @@ class Publisher:
         """Every request's text delta in one message, and the stream positions after them, in one transaction:
         a worker killed here has either shown a text and recorded its position, or neither, so a redelivery
         never shows text twice, even to a client that ignores offsets. Each choice's text is recorded too, with the
-        tokens that wrote it, so that a redelivery goes on from them (worker/continuation.py), and the time text was
-        first sent, which a redelivery keeps as its time to first token. While Redis is down the deltas are lost
-        (the final event carries the whole text, and clients see the gap in the offsets)."""
+        tokens that wrote it, so that a redelivery goes on from them (worker/continuation.py), and the times text was
+        first sent and the request first admitted, which a redelivery keeps as its time to first token and queue
+        wait. While Redis is down the deltas are lost (the final event carries the whole text, and clients see the
+        gap in the offsets)."""
         events, pipe, keys, positions = [], self.redis.pipeline(transaction=True), [], []
-        first, now = [], time.time()
+        first, admitted, now = [], [], time.time()
         for answer, index, (text, offset), logprobs, shown in deltas:
             rid = answer.job["request_id"]
             data = {"request_id": rid, "text": text, "offset": offset}
@@ -218,6 +225,10 @@ class Publisher:
                 pipe.set(shown_at_key(rid), repr(now), ex=STREAMED_TTL_S, nx=True)
                 answer.stamped = True
                 first.append(answer)
+            if answer.admitted is not None and not answer.admission_kept:   # an earlier delivery's is kept
+                pipe.set(admitted_at_key(rid), repr(answer.admitted), ex=STREAMED_TTL_S, nx=True)
+                answer.admission_kept = True
+                admitted.append(answer)
         if keys:
             pipe.eval(RECORD, len(keys), *keys, STREAMED_TTL_S, *positions)
         pipe.publish(STREAM_CHANNEL, encode_batch(events))
@@ -227,6 +238,8 @@ class Publisher:
             self.on_redis_error()
             for answer in first:   # its first text's time was not kept: the next text's is
                 answer.stamped = False
+            for answer in admitted:
+                answer.admission_kept = False
             if not self.blind:
                 log.warning("cannot stream answers while Redis is unreachable (%s); their ends are sent later", exc)
             self.blind = True

@@ -15,7 +15,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from messaging import workers
 from messaging.connections import redis_client
 from messaging.contract import (CANCEL_CHANNEL, FINAL_TTL_S, INLINE_FINAL_BYTES, MODELS_KEY,
-                                final_key, job_key, shown_at_key, shown_key)
+                                admitted_at_key, final_key, job_key, shown_at_key, shown_key)
 from messaging.jobs import choices
 from messaging.prompt_form import FORM_FIELD, FORM_TTL_S, form_key, tokenizer_key
 from messaging.queue import visibility_timeout
@@ -149,7 +149,8 @@ class WorkerRuntime:
             self.emit(event, sent, job)
             # Answered: nothing left to send again, or to continue.
             rid = job["request_id"]
-            self.redis.delete(job_key(rid), shown_at_key(rid), *(shown_key(rid, i) for i in range(choices(job))))
+            self.redis.delete(job_key(rid), shown_at_key(rid), admitted_at_key(rid),
+                              *(shown_key(rid, i) for i in range(choices(job))))
 
         self.redis_retrying(send, f"sending the end of {job['request_id']}")
         if time.monotonic() - self.redis_failed_at < ECHO_WINDOW_S:

@@ -582,9 +582,9 @@ class LLMEngine:
         seq.token_ids.append(token)
         if entry is not None:
             seq.logprobs.append(entry)
-        prompt, continued = None, 0
+        prompt, admitted, continued = None, None, 0
         if seq.first_token_time is None:
-            seq.first_token_time, continued = now, seq.continued
+            seq.first_token_time, admitted, continued = now, seq.admitted_time, seq.continued
             if seq.index == 0:
                 prompt = seq.prompt_logprobs_result()
         if not seq.detokenizer.armed and seq.num_completion_tokens >= seq.params.min_tokens and \
@@ -597,7 +597,7 @@ class LLMEngine:
             text, seq.replay = seq.replay + text, ""
         events: list[Event] = [TokenDelta(seq.request_id, text, [token], index=seq.index,
                                           logprobs=[entry] if entry is not None else None, prompt_logprobs=prompt,
-                                          continued=continued)]
+                                          admitted_time=admitted, continued=continued)]
         if seq.detokenizer.stopped:
             return events + self._finish(seq, "stop")
         if (token in self.eos_ids and not seq.params.ignore_eos) or token in seq.params.stop_token_ids:

@@ -27,8 +27,9 @@ class TokenDelta:
     # On choice 0's first delta, when the request asked for prompt log-probabilities: one per prompt token (the
     # first is None), so an echo can stream before the answer ends.
     prompt_logprobs: list[TokenLogprob | None] | None = None
-    # On a choice's first delta: how many of its tokens an earlier delivery wrote (LLMEngine.submit's continued;
-    # their text comes with this delta, their log-probabilities do not).
+    # On a choice's first delta: when the engine admitted its request, and how many of its tokens an earlier delivery
+    # wrote (LLMEngine.submit's continued; their text comes with this delta, their log-probabilities do not).
+    admitted_time: float | None = None
     continued: int = 0
 
 

@@ -207,6 +207,43 @@ def test_choice_0s_text_is_recorded_with_the_tokens_that_wrote_it(r, tokenizer):
     assert [json.loads(e) for e in r.lrange(shown_key("t"), 0, -1)] == [[[" world", ids(", world")]]]
 
 
+def test_an_answer_generated_again_sends_no_log_probability_twice(r, tokenizer):
+    """A redelivery that cannot go on from the earlier tokens (their record is lost) generates the answer again: its
+    tokens within what was shown had their log-probabilities sent by the earlier delivery, so a window that straddles
+    that point sends only the rest's. One that goes on from them sends every new token's."""
+    from dataclasses import replace
+
+    from worker.engine import TokenLogprob
+    from worker.token_json import TokenJson
+
+    pubsub = r.pubsub(ignore_subscribe_messages=True)
+    pubsub.subscribe(STREAM_CHANNEL)
+    entry = TokenLogprob(token_id=0, logprob=-0.5, rank=1, top=[])
+    publisher = Publisher(r, on_redis_error=lambda: None, window_s=0.5, describe=TokenJson(tokenizer))
+
+    def delta(text: str, token: int, **kwargs) -> TokenDelta:
+        return TokenDelta("g", text, [token], logprobs=[replace(entry, token_id=token)], **kwargs)
+
+    def sent() -> list[tuple[str, list[str]]]:
+        return [(e.data["text"], [lp["token"] for lp in e.data["logprobs"]]) for batch in batches(pubsub, 1)
+                for e in batch]
+
+    tokens = {text: tokenizer(text, add_special_tokens=False)["input_ids"][0] for text in ("Hi", " there", ",", " how")}
+    spelled = {text: TokenJson(tokenizer).one(token, 0)["token"] for text, token in tokens.items()}
+    # An earlier delivery showed "Hi there" (two tokens, their log-probabilities sent); this one generates it again.
+    answer = publisher.track(job("g", api=True), [8])
+    publisher.outbox.put([delta(text, tokens[text]) for text in ("Hi", " there", ",", " how")])
+    assert sent() == [(", how", [spelled[","], spelled[" how"]])]
+    publisher.outbox.put([finished("g", "Hi there, how")])
+    answer.ends.get(timeout=5)
+    batches(pubsub, 1)
+    # Going on from those tokens instead: the deltas carry only new tokens, each sent.
+    publisher.forget("g")
+    answer = publisher.track(job("g", api=True), [8])
+    publisher.outbox.put([delta("Hi there,", tokens[","], continued=2), delta(" how", tokens[" how"])])
+    assert sent() == [(", how", [spelled[","], spelled[" how"]])]
+
+
 def test_the_time_an_answers_text_was_first_sent_is_kept_across_deliveries(r):
     """A redelivered answer's time to first token is its customer's (worker/job.py reads it back)."""
     from messaging.contract import shown_at_key

@@ -75,6 +75,22 @@ class Answer:
         self.shown[index] = max(shown, end)
         return new, max(shown, end) - len(new)
 
+    def unsent(self, index: int, parts: list[str], tokens: list[list[int] | None],
+               logprobs: list[TokenLogprob]) -> list[TokenLogprob]:
+        """The log-probabilities of a choice's next parts (each one's text and the tokens that wrote it, one entry a
+        token) that no client was sent: a choice generated again sends none for the tokens of what an earlier
+        delivery showed, as that delivery sent theirs (the same tokens where the numerics are the same)."""
+        start, shown = self.produced.get(index, 0), self.shown.get(index, 0)
+        if start >= shown or index in self.continued:
+            return logprobs
+        sent = 0
+        for text, ids in zip(parts, tokens):
+            start += len(text)
+            if start > shown:
+                break
+            sent += len(ids or ())
+        return logprobs[sent:]
+
     def wait(self, timeout: float | None = None) -> RequestFinished | None:
         """The request's last end (`choices` then holds every choice's), or None when `timeout` passes first."""
         try:
@@ -188,7 +204,11 @@ class Publisher:
         deltas = []
         for (rid, index), (parts, logprobs, tokens) in pending.items():
             answer, joined = answers[rid], "".join(parts)
-            unseen = answer.unseen(joined, index, carries=bool(logprobs)) if answer is not None else None
+            if answer is None:
+                continue
+            if logprobs:
+                logprobs = answer.unsent(index, parts, tokens, logprobs)
+            unseen = answer.unseen(joined, index, carries=bool(logprobs))
             if unseen is not None:   # the text is recorded, less what an earlier delivery showed
                 shown = continuation.record(list(zip(parts, tokens)), len(joined) - len(unseen[0])) \
                     if unseen[0] else ""

@@ -25,7 +25,7 @@ know let like me might mine more most much must my need no not now of off on onc
 please really she should so some still such tell than thank thanks that the their them then there these they this
 those to too up us very want was we well were what when where which while who why will with would yes yet you your
 order orders shop store item items thing things help question ok okay also ask asking mail email e-mail
-address number
+address number take takes taking long every each many few several mails emails
 """.split())
 # At most this many words of a message go into the search (a long message is not a longer query).
 MAX_QUERY_WORDS = 24
@@ -65,23 +65,28 @@ def query_words(question: str) -> list[str]:
 
 def search(db: Session, question: str, limit: int = 1) -> list[Found]:
     """The articles that best match a question, best first: any of its words (stemmed), title and keywords
-    weighing more than the body. Empty when no word matches."""
+    weighing more than the summary. A word only an article's body holds does not find it: an answer quotes the
+    summary, which would not be about the question ("gift cards" asks nothing about returns, whose body names
+    them). Empty when no word matches."""
     words = query_words(question)
     if not words:
         return []
     if db.get_bind().dialect.name == "postgresql":
-        # Each word is letters and digits only, so the OR-query is always valid tsquery syntax.
+        # Each word is letters and digits only, so the OR-query is always valid tsquery syntax; `:AB` keeps the
+        # title's, keywords' and summary's lexemes (the migration's weights; the body's are C).
         rows = db.execute(text(
             f"SELECT id, ts_rank({SEARCH_COLUMN}, q) AS score FROM help_articles, to_tsquery('english', :q) q "
             f"WHERE {SEARCH_COLUMN} @@ q ORDER BY score DESC, id LIMIT :limit"),
-            {"q": " | ".join(words), "limit": limit}).all()
+            {"q": " | ".join(f"{w}:AB" for w in words), "limit": limit}).all()
         ranked = [(r.id, float(r.score)) for r in rows]
     else:
-        # Quoted, each word is a plain term whatever it spells (FTS5 has operators such as NOT and NEAR).
+        # Quoted, each word is a plain term whatever it spells (FTS5 has operators such as NOT and NEAR); the
+        # column filter leaves the body out.
         rows = db.execute(text(
             f"SELECT rowid AS id, bm25({FTS_TABLE}, 10.0, 4.0, 6.0, 1.0) AS score FROM {FTS_TABLE} "
             f"WHERE {FTS_TABLE} MATCH :q ORDER BY score, rowid LIMIT :limit"),
-            {"q": " OR ".join(f'"{w}"' for w in words), "limit": limit}).all()
+            {"q": "{title summary keywords} : (" + " OR ".join(f'"{w}"' for w in words) + ")",
+             "limit": limit}).all()
         ranked = [(r.id, -float(r.score)) for r in rows]   # bm25: lower is better
     return [Found(db.get(HelpArticle, i), score) for i, score in ranked]
 

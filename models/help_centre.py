@@ -63,7 +63,15 @@ DEMO_ARTICLES = (
         "Send us the order number and the new address before the order ships and we update it. Once the parcel has "
         "left, the carrier's tracking link lets you choose another delivery day, a neighbour or a pickup point. If "
         "you miss a delivery the carrier tries again the next business day.",
-        "change address wrong address move redirect reschedule missed delivery pickup point"),
+        "change address wrong address move redirect reschedule missed pickup point"),
+    DemoArticle(
+        "damaged-items", "Damaged or wrong items",
+        "If an item arrives damaged or faulty, or is not what you ordered, tell us within 14 days of delivery and we "
+        "send a replacement or refund it in full, shipping included.",
+        "Send us your order number and a photo of the item and its packaging. There is no need to send a broken "
+        "item back unless we ask for it; for a wrong item we send a prepaid return label. Replacements ship as soon "
+        "as we have your message, and a refund goes back to the original payment method.",
+        "damaged broken faulty defective cracked chipped smashed scratched wrong missing replacement replace"),
     DemoArticle(
         "payment", "Payment methods",
         "We accept Visa, Mastercard, American Express, PayPal and Apple Pay; your card is charged when the order "
@@ -71,6 +79,25 @@ DEMO_ARTICLES = (
         "Prices include VAT. If a payment fails, the order waits 48 hours for another try before it is cancelled. "
         "We never ask for card details in the chat or by e-mail.",
         "pay payment card credit debit paypal apple charge charged invoice vat declined failed"),
+    DemoArticle(
+        "cancelling", "Cancelling an order",
+        "An order can be cancelled free of charge until it ships; once it has shipped, send it back as a return.",
+        "Ask us with your order number and we cancel it before it leaves the warehouse; your card is not charged "
+        "for a cancelled order. Orders placed with express delivery often ship the same day, so ask soon.",
+        "cancel cancellation cancelled stop mistake mind"),
+    DemoArticle(
+        "gift-cards", "Gift cards",
+        "Gift cards from $10 to $200 are sent by e-mail and can be used for anything in the shop for 3 years.",
+        "Buy them in the shop like any item. A gift card pays for part or all of an order, the rest with another "
+        "payment method. Gift cards cannot be returned or exchanged for cash; a lost gift card e-mail is sent again "
+        "on request.",
+        "gift voucher present code balance"),
+    DemoArticle(
+        "warranty", "Warranty",
+        "Every item has a 2-year warranty against manufacturing faults, counted from the day it was delivered.",
+        "Tell us what went wrong with your order number and a photo; we repair or replace the item, or refund it "
+        "when neither is possible. Wear and tear and accidental damage are not covered.",
+        "warranty guarantee stopped working fault years"),
 )
 
 

@@ -125,7 +125,8 @@ ORDER_QUESTIONS = [
     ("Why can't I see my order NW-10045 anymore?", "cancelled"),
     ("My email is barbara@example.com, what happened to my return?", "returned"),
 ]
-POLICY_QUESTIONS = [("Can I return a mug I don't like?", "30 days"), ("Can I pay with PayPal?", "PayPal")]
+POLICY_QUESTIONS = [("Can I return a mug I don't like?", "30 days"), ("Can I pay with PayPal?", "PayPal"),
+                    ("My mug arrived broken, what can I do?", "14 days")]
 
 
 @pytest.mark.real_model

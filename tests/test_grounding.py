@@ -100,6 +100,10 @@ def test_many_numbers_in_one_message_are_bounded(sessions):
     ("How long does delivery take?", "shipping", "3-7 business days"),
     ("I moved, can I change the delivery address?", "delivery-changes", "until the order ships"),
     ("Can I pay with PayPal?", "payment", "PayPal"),
+    ("My mug arrived broken, what can I do?", "damaged-items", "14 days"),
+    ("Do you sell gift cards?", "gift-cards", "3 years"),
+    ("How do I cancel my order?", "cancelling", "until it ships"),
+    ("My kettle stopped working after a year", "warranty", "2-year warranty"),
 ])
 def test_a_policy_question_finds_its_article_on_either_database(sessions, question, slug, figure):
     [lookup] = asked(sessions, question)
@@ -114,10 +118,13 @@ def test_no_article_says_so_with_how_to_reach_a_person_and_a_greeting_looks_noth
     assert asked(sessions, "Hi there, thanks!") == []
 
 
-def test_search_terms_are_words_only_so_query_syntax_cannot_break_it(sessions):
+def test_a_word_only_an_articles_body_holds_finds_nothing(sessions):
+    """The returns article's body says sale items can be returned too; its summary, which an answer quotes, says
+    nothing of sales: a question about a sale finds no article rather than the returns policy."""
     with sessions() as db:
-        assert search(db, 'refund" OR NOT * NEAR( \' ; DROP TABLE help_articles; --')[0].article.slug == "refunds"
-        assert search(db, "!!! ???") == []
+        assert "Sale items" in help_centre.find(db, "returns").body
+        assert search(db, "Is there a sale on?") == []
+        assert search(db, "Can I return sale items?")[0].article.slug == "returns"
 
 
 def test_the_lookups_are_stored_as_calls_and_results_that_become_chat_messages_again(sessions):
@@ -138,19 +145,19 @@ def test_operators_add_edit_search_and_remove_articles_from_the_command_line(ses
         url = db.get_bind().url.render_as_string(hide_password=False)
     monkeypatch.setenv("DATABASE_URL", url)
     run = help_centre.main
-    assert run(["add", "gift-cards", "--title", "Gift cards", "--summary", "Gift cards are valid for 3 years.",
-                "--body", "Buy them online; they cannot be returned.", "--keywords", "voucher present"]) == 0
-    assert run(["search", "how long is a voucher valid"]) == 0
-    assert "gift-cards" in capsys.readouterr().out.splitlines()[-1]
-    assert run(["edit", "gift-cards", "--summary", "Gift cards are valid for 5 years."]) == 0
+    assert run(["add", "loyalty", "--title", "Loyalty points", "--summary", "Points are valid for 3 years.",
+                "--body", "Every dollar spent earns a point.", "--keywords", "rewards bonus"]) == 0
+    assert run(["search", "how long are my rewards valid"]) == 0
+    assert "loyalty" in capsys.readouterr().out.splitlines()[-1]
+    assert run(["edit", "loyalty", "--summary", "Points are valid for 5 years."]) == 0
     with sessions() as db:   # the full-text index follows the edit
-        assert search(db, "voucher")[0].article.summary == "Gift cards are valid for 5 years."
-    assert run(["add", "gift-cards", "--title", "x", "--summary", "y", "--body", "z"]) == 2
+        assert search(db, "rewards")[0].article.summary == "Points are valid for 5 years."
+    assert run(["add", "loyalty", "--title", "x", "--summary", "y", "--body", "z"]) == 2
     assert "exists already" in capsys.readouterr().err
-    assert run(["remove", "gift-cards"]) == 0 and run(["show", "gift-cards"]) == 2
+    assert run(["remove", "loyalty"]) == 0 and run(["show", "loyalty"]) == 2
     with sessions() as db:
-        assert search(db, "voucher") == []
-        assert db.scalar(select(HelpArticle).where(HelpArticle.slug == "gift-cards")) is None
+        assert search(db, "rewards") == []
+        assert db.scalar(select(HelpArticle).where(HelpArticle.slug == "loyalty")) is None
     assert run(["seed"]) == 0 and "0 added" in capsys.readouterr().out
 
 

@@ -127,6 +127,8 @@ ORDER_QUESTIONS = [
 ]
 POLICY_QUESTIONS = [("Can I return a mug I don't like?", "30 days"), ("Can I pay with PayPal?", "PayPal"),
                     ("My mug arrived broken, what can I do?", "14 days")]
+# Small talk, and how its answer starts: the worker's own reply, never a free-running model.
+SMALL_TALK = [("hi", "Hello! I can look up your orders"), ("Thanks, bye!", "You're welcome!")]
 
 
 @pytest.mark.real_model
@@ -138,7 +140,7 @@ def test_on_the_default_model_customers_read_statuses_not_found_and_policies_and
     questions = [q for q, _ in ORDER_QUESTIONS] + ["where is my order NW-1002?", "Order NW-99999 never came",
                                                     f"Status of {TEN} please", INJECTION,
                                                     "Where is NW-10042? my e-mail is ada@example.com",
-                                                    *[q for q, _ in POLICY_QUESTIONS]]
+                                                    *[q for q, _ in POLICY_QUESTIONS], *[q for q, _ in SMALL_TALK]]
     with ThreadPoolExecutor(len(questions)) as pool:
         answers = dict(zip(questions, pool.map(lambda q: ask(url, q, timeout=600)["text"], questions)))
     statuses = [bool(re.search(STATUS[status], answers[q], re.I)) for q, status in ORDER_QUESTIONS]
@@ -147,6 +149,8 @@ def test_on_the_default_model_customers_read_statuses_not_found_and_policies_and
                                                                                                  "never came"])
     for q, figure in POLICY_QUESTIONS:
         assert figure in answers[q], answers[q]
+    for q, start in SMALL_TALK:
+        assert answers[q].startswith(start), answers[q]
     for q, text in answers.items():
         # What the asker may see: the orders they named, else the orders of the address they gave; nothing when
         # the number and the address disagree.

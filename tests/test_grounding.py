@@ -13,7 +13,8 @@ from messaging.chat_tools import history
 from models import HelpArticle, demo_orders, help_centre
 from models.db import make_engine, make_session_factory, upgrade
 from models.help_articles import search
-from worker.grounding import FIND_BY_EMAIL, MAX_ORDERS, NO_ARTICLE, NOT_YOURS, SEARCH_HELP, TOO_MANY, ground
+from worker.grounding import (EXAMPLE_NUMBER, FIND_BY_EMAIL, MAX_ORDERS, MAX_TOPICS, NO_ARTICLE, NOT_YOURS, SEARCH_HELP,
+                              TOO_MANY, ground)
 
 SETTINGS = grounding.Grounding()
 PRIVATE = [v for o in demo_orders.DEMO_ORDERS for v in (o.customer_name, o.customer_email)]
@@ -125,6 +126,48 @@ def test_a_word_only_an_articles_body_holds_finds_nothing(sessions):
         assert "Sale items" in help_centre.find(db, "returns").body
         assert search(db, "Is there a sale on?") == []
         assert search(db, "Can I return sale items?")[0].article.slug == "returns"
+
+
+def grounded(sessions, *turns: str):
+    messages = [{"role": "system", "content": "You help."}] + [{"role": "user", "content": t} for t in turns]
+    with sessions() as db:
+        return ground(db, messages, SETTINGS)
+
+
+@pytest.mark.parametrize("message, hello", [("hi", True), ("Hello there, good morning!", True),
+                                            ("Can you help me?", False), ("ok", False)])
+def test_small_talk_gets_the_workers_reply_naming_what_it_can_help_with(sessions, message, hello):
+    """A message that asks nothing gets no lookup and no free-running model (on the default model a greeting once
+    wandered into a 256-token loop): the worker's own reply says what it helps with, the help centre's titles."""
+    g = grounded(sessions, message)
+    assert g.lookups == [] and g.lead == g.reply
+    assert g.reply.startswith("Hello! ") == hello
+    assert EXAMPLE_NUMBER in g.reply and g.reply.endswith("What can I do for you?")
+    titles = [a.title[0].lower() + a.title[1:] for a in help_centre.DEMO_ARTICLES]
+    assert len(titles) > MAX_TOPICS and all(t in g.reply for t in titles[:MAX_TOPICS]), g.reply
+    assert titles[MAX_TOPICS] not in g.reply and f"{titles[MAX_TOPICS - 1]} and more." in g.reply
+    assert g.messages([{"role": "user", "content": message}]) == [{"role": "user", "content": message}]
+    assert g.stored() == []
+
+
+@pytest.mark.parametrize("message", ["Thanks, bye!", "thank you, that's all I needed", "Cheers"])
+def test_a_thank_you_or_goodbye_is_answered_as_one(sessions, message):
+    g = grounded(sessions, "Where is NW-10043?", message)
+    assert g.lookups == [] and g.reply.startswith("You're welcome!")
+
+
+def test_a_question_beside_small_talk_is_looked_up(sessions):
+    [lookup] = asked(sessions, "Hi! Thanks - how long does a refund take?")
+    assert lookup.result["slug"] == "refunds"
+    [lookup] = asked(sessions, "Thanks! Where is NW-10043?")
+    assert lookup.result["status"] == "out_for_delivery"
+    assert grounded(sessions, "hello, what is the capital of France?").lookups[0].result["error"] == NO_ARTICLE
+
+
+def test_search_terms_are_words_only_so_query_syntax_cannot_break_it(sessions):
+    with sessions() as db:
+        assert search(db, 'refund" OR NOT * NEAR( \' ; DROP TABLE help_articles; --')[0].article.slug == "refunds"
+        assert search(db, "!!! ???") == []
 
 
 def test_the_lookups_are_stored_as_calls_and_results_that_become_chat_messages_again(sessions):

@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 from messaging.chat_tools import LOOKUP_ORDER, stored_call
 from messaging.grounding import Grounding, emails, order_numbers
 from models import Order
-from models.help_articles import query_words, search
+from models.help_articles import WORD, HelpArticle, query_words, search
 from worker.order_tool import NO_SUCH_ORDER, details, lookup_order
 
 # Orders looked up per message: a message naming more gets the first ones and is told so.
@@ -27,6 +27,15 @@ INSTRUCTION = ("Answer from the lookups' results below and nothing else: give th
                "if a result says an order was not found, tell the customer; never give details of any other order.")
 # What an order number looks like, as the answers that ask for one show it.
 EXAMPLE_NUMBER = "NW-10042"
+# Small talk: a message whose words past the help centre's stop words are all of these asks nothing to look up. It
+# gets the worker's own reply, as a lead: a small model left to answer a greeting alone wanders, sometimes into a
+# loop (a 256-token "customer support AI customer support ..." seen on the default model).
+GREETINGS = frozenset("hello hi hey hiya howdy greetings good morning afternoon evening day there yo".split())
+THANKS = frozenset("thanks thank thx ty cheers bye goodbye".split())
+CLOSINGS = frozenset("great perfect awesome cool nice lovely wonderful helpful appreciate appreciated needed "
+                     "all see later have".split())
+# Help articles whose titles small talk names as what the assistant can answer.
+MAX_TOPICS = 8
 STATUS_WORDS = {"processing": "is being processed and has not shipped yet", "shipped": "has shipped",
                 "out_for_delivery": "is out for delivery", "delivered": "was delivered",
                 "cancelled": "was cancelled", "returned": "was returned"}
@@ -48,10 +57,11 @@ class Lookup:
 @dataclass
 class Grounded:
     lookups: list[Lookup]
+    reply: str = ""   # small talk's answer, which looks nothing up (the lead when there are no lookups)
 
     @property
     def lead(self) -> str:
-        return " ".join(lk.lead for lk in self.lookups if lk.lead)
+        return " ".join(lk.lead for lk in self.lookups if lk.lead) or self.reply
 
     def messages(self, messages: list[dict]) -> list[dict]:
         """The conversation with the lookups after the customer's message (an instruction added to the system
@@ -146,6 +156,27 @@ def help_lookup(db: Session, question: str, contact: str) -> Lookup | None:
                   f"{contact}.")
 
 
+def small_talk(db: Session, text: str) -> str | None:
+    """The reply to a message that asks nothing (a greeting, a thank-you, "can you help me?"): what the assistant
+    can help with, the help centre's articles named; a thank-you or goodbye is answered as one. None for a message
+    with something to look up."""
+    words = set(WORD.findall(text.lower()))
+    if set(query_words(text)) - GREETINGS - THANKS - CLOSINGS:
+        return None
+    if words & THANKS:
+        return "You're welcome! If anything else comes up, just ask."
+    titles = db.scalars(select(HelpArticle.title).order_by(HelpArticle.id).limit(MAX_TOPICS + 1)).all()
+    topics = [t[:1].lower() + t[1:] if t[1:2].islower() else t for t in titles]
+    if len(topics) > MAX_TOPICS:
+        topics[MAX_TOPICS:] = ["more"]
+    offer = (f"I can look up your orders (give me the order number, like {EXAMPLE_NUMBER}, or the e-mail address you "
+             "ordered with)")
+    if topics:
+        offer += " and answer questions about " + (", ".join(topics[:-1]) + " and " if len(topics) > 1 else "") + \
+            topics[-1]
+    return ("Hello! " if words & GREETINGS else "") + offer + ". What can I do for you?"
+
+
 def ground(db: Session, messages: list[dict], settings: Grounding) -> Grounded:
     """The lookups a conversation's newest message calls for: its order numbers (the first MAX_ORDERS), else the
     orders of the e-mail it gives; without either, the help article it asks about, or a "no article" result."""
@@ -170,5 +201,8 @@ def ground(db: Session, messages: list[dict], settings: Grounding) -> Grounded:
         lookups.append(by_email(db, owner))
     if lookups:   # a message about orders gets their facts alone: an article beside them confuses a small model
         return Grounded(lookups)
+    reply = small_talk(db, text)
+    if reply is not None:
+        return Grounded([], reply)
     article = help_lookup(db, text, settings.contact)
     return Grounded([article] if article is not None else [])

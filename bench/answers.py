@@ -27,6 +27,9 @@ from models.demo_orders import DEMO_ORDERS
 NOT_FOUND = re.compile(r"could ?n[o']t find|can ?n[o']t find|no order|not found|does ?n[o']t exist|no such order",
                        re.I)
 DONT_KNOW = re.compile(r"do ?n[o']t know|not sure|ca ?n[o']t help|unable to", re.I)
+WELCOME = re.compile(r"welcome|glad|pleasure|happy to help", re.I)
+# What the assistant can help with, as an answer to small talk names it: orders and the help centre's topics.
+OFFERS = re.compile(r"\border\b.*\b(return|refund|shipping|deliver|payment)", re.I | re.S)
 STATUS = {"processing": r"process", "shipped": r"shipped", "out_for_delivery": r"out for delivery",
           "delivered": r"delivered", "cancelled": r"cancel", "returned": r"returned"}
 CONTACT = "support@northwind.example"
@@ -42,6 +45,8 @@ class Case:
     not_found: bool = False         # the last answer must say the order was not found
     figures: tuple[str, ...] = ()   # text the last answer must quote (a policy's figures)
     dont_know: bool = False         # the last answer must say it does not know, and how to reach a person
+    offers: bool = False            # small talk: the last answer must say what the assistant can help with
+    welcome: bool = False           # a thank-you or goodbye: the last answer must say "you're welcome" or so
     allowed: tuple[str, ...] = ()   # order numbers whose details may appear; every other order's must not
     held_out: bool = False          # kept out of the tests, so the checks are not tuned to it
 
@@ -76,6 +81,14 @@ CASES = (
     Case("payment policy", ("Can I pay with PayPal?",), figures=("PayPal",)),
     Case("off-topic", ("What is the capital of France?",), dont_know=True),
     Case("off-topic, poem", ("Write me a poem about cats",), dont_know=True),
+    Case("off-topic, bicycles", ("Do you sell bicycles?",), dont_know=True),
+    Case("gift cards", ("Do you sell gift cards?",), figures=("3 years",)),
+    Case("cancelling", ("How do I cancel my order?",), figures=("until it ships",)),
+    Case("damaged item", ("My mug arrived broken, what can I do?",), figures=("14 days",)),
+    Case("greeting", ("hi",), offers=True),
+    Case("greeting, longer", ("Hello there, good morning!",), offers=True),
+    Case("help, nothing asked yet", ("Can you help me?",), offers=True),
+    Case("thanks and goodbye", ("Thanks, bye!",), welcome=True),
     # Held out: worded apart from the ones above, never run by the tests.
     Case("held: order returned", ("Hello! Could you tell me where order NW-10046 is at the moment?",),
          status="returned", allowed=("NW-10046",), held_out=True),
@@ -92,6 +105,11 @@ CASES = (
          figures=("5 business days",), held_out=True),
     Case("held: exchange", ("Can I exchange shoes for another size?",), figures=("30 days",), held_out=True),
     Case("held: off-topic", ("How do I reset my wifi router?",), dont_know=True, held_out=True),
+    Case("held: greeting", ("Hey! Good evening",), offers=True, held_out=True),
+    Case("held: thanks", ("thank you, that's all I needed",), welcome=True, held_out=True),
+    Case("held: damaged", ("The teapot I got is cracked. Can I get a replacement?",), figures=("14 days",),
+         held_out=True),
+    Case("held: warranty", ("My kettle stopped working after a year",), figures=("2-year warranty",), held_out=True),
 )
 
 
@@ -139,6 +157,10 @@ def checks(case: Case, text: str, finish_reason: str, sources: str = "") -> dict
         out["figures"] = all(f.lower() in text.lower() for f in case.figures)
     if case.dont_know:
         out["don't know"] = bool(DONT_KNOW.search(text)) and CONTACT in text
+    if case.offers:
+        out["offers help"] = bool(OFFERS.search(text)) and not DONT_KNOW.search(text)
+    if case.welcome:
+        out["welcome"] = bool(WELCOME.search(text)) and not DONT_KNOW.search(text)
     return out
 
 
@@ -182,7 +204,9 @@ def ask(engine, sessions, case: Case, mode: str, params, seed: int) -> Answered:
             with sessions() as db:
                 grounded = ground(db, messages, settings)
         out.ground_s = time.perf_counter() - started
-        sources += [turn, *(lk.result_text for lk in (grounded.lookups if grounded else []))]
+        # the lookups' results, and the worker's own reply to small talk (the shop's example order number)
+        sources += [turn, *(lk.result_text for lk in (grounded.lookups if grounded else [])),
+                    grounded.reply if grounded else ""]
         relay = Relay(queue.Queue(), rid)
         done = converse(rt, job, [], replace(params, seed=seed + n), None, relay, lambda: False, grounded,
                         lead=mode == "lead")
@@ -200,8 +224,8 @@ def run_all(engine, sessions, cases: list[Case], mode: str, params, seed: int, w
 
 def summary(answered: list[Answered]) -> dict[str, str]:
     """Per check: passed/applicable."""
-    names = ["status", "not found", "figures", "don't know", "no leak", "no invented number", "no loop",
-             "within limit"]
+    names = ["status", "not found", "figures", "don't know", "offers help", "welcome", "no leak", "no invented number",
+             "no loop", "within limit"]
     out = {}
     for name in names:
         results = [a.result[name] for a in answered if name in a.result]
@@ -279,8 +303,8 @@ def main(argv: list[str] | None = None) -> None:
           f"temperature {args.temperature}, top_p {args.top_p}, max_new_tokens {args.max_new_tokens}, "
           f"DRY multiplier {args.dry_multiplier}, "
           f"database {sql.dialect.name}")
-    header = ["model", "weights", "mode", "set", "status", "not found", "figures", "don't know", "no leak",
-              "no invented number", "no loop", "within limit", "all", "tokens"]
+    header = ["model", "weights", "mode", "set", "status", "not found", "figures", "don't know", "offers help",
+              "welcome", "no leak", "no invented number", "no loop", "within limit", "all", "tokens"]
     print(" | ".join(header))
     for model in models:
         for weights in args.weights.split(","):

@@ -543,3 +543,18 @@ def test_int8_matmul_bench_stops_when_a_kernel_differs_from_torch(tiny_config, m
     monkeypatch.setattr(int8_matmul, "tile_matmul", off_by_one)
     with pytest.raises(SystemExit, match="differs from torch._int_mm's"):
         int8_matmul.main(["--config", str(tiny_config), "--rows", "1", "--repeats", "1"])
+
+
+def test_the_answers_bench_checks_small_talk_replies_as_a_customer_reads_them():
+    from bench.answers import Case, checks
+
+    greeting, thanks = Case("greeting", ("hi",), offers=True), Case("thanks", ("thanks!",), welcome=True)
+    offer = ("Hello! I can look up your orders (give me the order number, like NW-10042, or the e-mail address you "
+             "ordered with) and answer questions about returns and exchanges and refunds. What can I do for you?")
+    assert checks(greeting, offer, "stop", "NW-10042") == {
+        "no loop": True, "within limit": True, "no leak": True, "no invented number": True, "offers help": True}
+    assert not checks(greeting, "Welcome to our little shop! Ask me about custom items.", "stop")["offers help"]
+    assert not checks(greeting, "I don't know; give me your order number or ask about returns.", "stop")["offers help"]
+    assert checks(thanks, "You're welcome! If anything else comes up, just ask.", "stop")["welcome"]
+    assert not checks(thanks, "I'm sorry, I don't know the answer to that.", "stop")["welcome"]
+    assert not checks(greeting, offer, "length", "NW-10042")["within limit"]

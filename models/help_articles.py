@@ -25,7 +25,8 @@ know let like me might mine more most much must my need no not now of off on onc
 please really she should so some still such tell than thank thanks that the their them then there these they this
 those to too up us very want was we well were what when where which while who why will with would yes yet you your
 order orders shop store item items thing things help question ok okay also ask asking mail email e-mail
-address number take takes taking long every each many few several mails emails
+address number take takes taking long every each many few several mails emails don doesn didn isn wasn hasn haven
+won couldn wouldn shouldn
 """.split())
 # At most this many words of a message go into the search (a long message is not a longer query).
 MAX_QUERY_WORDS = 24

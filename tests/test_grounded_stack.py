@@ -128,7 +128,8 @@ ORDER_QUESTIONS = [
 POLICY_QUESTIONS = [("Can I return a mug I don't like?", "30 days"), ("Can I pay with PayPal?", "PayPal"),
                     ("My mug arrived broken, what can I do?", "14 days")]
 # Small talk, and how its answer starts: the worker's own reply, never a free-running model.
-SMALL_TALK = [("hi", "Hello! I can look up your orders"), ("Thanks, bye!", "You're welcome!")]
+SMALL_TALK = [("hi", "Hello! I can look up your orders"), ("Thanks, bye!", "You're welcome!"),
+              ("Where is my order?", "I can look that up: give me the order number")]
 
 
 @pytest.mark.real_model

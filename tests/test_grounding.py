@@ -156,12 +156,29 @@ def test_a_thank_you_or_goodbye_is_answered_as_one(sessions, message):
     assert g.lookups == [] and g.reply.startswith("You're welcome!")
 
 
+@pytest.mark.parametrize("message", ["Where is my order?", "Can you track my parcel?", "hi, has my order shipped yet?",
+                                     "My order hasn't arrived"])
+def test_an_order_asked_about_without_its_number_or_email_gets_asked_for_them(sessions, message):
+    g = grounded(sessions, message)
+    assert g.lookups == [] and "give me the order number" in g.reply and EXAMPLE_NUMBER in g.reply
+    assert g.reply.startswith("Hello! ") == message.startswith("hi")
+
+
+@pytest.mark.parametrize("message", ["I want to talk to a human", "How do I contact you?", "Can I speak to someone?"])
+def test_a_person_asked_for_gets_how_to_reach_one(sessions, message):
+    g = grounded(sessions, message)
+    assert g.lookups == [] and g.reply == f"To reach a person, {grounding.DEFAULT_CONTACT}."
+
+
 def test_a_question_beside_small_talk_is_looked_up(sessions):
     [lookup] = asked(sessions, "Hi! Thanks - how long does a refund take?")
     assert lookup.result["slug"] == "refunds"
     [lookup] = asked(sessions, "Thanks! Where is NW-10043?")
     assert lookup.result["status"] == "out_for_delivery"
     assert grounded(sessions, "hello, what is the capital of France?").lookups[0].result["error"] == NO_ARTICLE
+    assert grounded(sessions, "Do you ship to Canada?").lookups[0].result["slug"] == "shipping"
+    assert grounded(sessions, "I want to change the delivery address of my order").lookups[0].result["slug"] == \
+        "delivery-changes"
 
 
 def test_search_terms_are_words_only_so_query_syntax_cannot_break_it(sessions):

@@ -30,10 +30,19 @@ EXAMPLE_NUMBER = "NW-10042"
 # Small talk: a message whose words past the help centre's stop words are all of these asks nothing to look up. It
 # gets the worker's own reply, as a lead: a small model left to answer a greeting alone wanders, sometimes into a
 # loop (a 256-token "customer support AI customer support ..." seen on the default model).
-GREETINGS = frozenset("hello hi hey hiya howdy greetings good morning afternoon evening day there yo".split())
+HELLO = frozenset("hello hi hey hiya howdy greetings morning afternoon evening yo".split())   # answered "Hello!"
+GREETINGS = HELLO | {"good", "day"}
 THANKS = frozenset("thanks thank thx ty cheers bye goodbye".split())
 CLOSINGS = frozenset("great perfect awesome cool nice lovely wonderful helpful appreciate appreciated needed "
                      "all see later have".split())
+# An order asked about without its number or e-mail ("Where is my order?", "Can you track my parcel?"): the reply
+# asks for them. A message of these words (and small talk's) that names one of ORDER_NOUNS.
+ORDER_NOUNS = frozenset("order orders parcel parcels package packages shipment".split())
+ORDER_WORDS = ORDER_NOUNS | frozenset("track tracking status arrived arrive come coming yet shipped sent".split())
+# A person asked for ("I want to talk to a human"): the reply says how to reach one (SUPPORT_CONTACT).
+PERSON_NOUNS = frozenset("human person agent someone somebody staff representative people operator manager "
+                         "contact".split())
+PERSON_WORDS = PERSON_NOUNS | frozenset("talk speak reach real live call phone chat".split())
 # Help articles whose titles small talk names as what the assistant can answer.
 MAX_TOPICS = 8
 STATUS_WORDS = {"processing": "is being processed and has not shipped yet", "shipped": "has shipped",
@@ -156,12 +165,20 @@ def help_lookup(db: Session, question: str, contact: str) -> Lookup | None:
                   f"{contact}.")
 
 
-def small_talk(db: Session, text: str) -> str | None:
-    """The reply to a message that asks nothing (a greeting, a thank-you, "can you help me?"): what the assistant
-    can help with, the help centre's articles named; a thank-you or goodbye is answered as one. None for a message
-    with something to look up."""
+def small_talk(db: Session, text: str, contact: str) -> str | None:
+    """The reply to a message that asks nothing to look up: a greeting, "can you help me?" (what the assistant can
+    help with, the help centre's articles named), a thank-you or goodbye, an order asked about without its number
+    or e-mail (asked for them), a person asked for (how to reach one). None for a message with something to look
+    up."""
     words = set(WORD.findall(text.lower()))
-    if set(query_words(text)) - GREETINGS - THANKS - CLOSINGS:
+    asked = set(query_words(text)) - GREETINGS - THANKS - CLOSINGS
+    hello = "Hello! " if words & HELLO else ""
+    if asked <= ORDER_WORDS and words & ORDER_NOUNS:
+        return (f"{hello}I can look that up: give me the order number (it looks like {EXAMPLE_NUMBER}) or the e-mail "
+                "address you ordered with.")
+    if asked <= PERSON_WORDS and words & PERSON_NOUNS:
+        return f"{hello}To reach a person, {contact}."
+    if asked:
         return None
     if words & THANKS:
         return "You're welcome! If anything else comes up, just ask."
@@ -174,7 +191,7 @@ def small_talk(db: Session, text: str) -> str | None:
     if topics:
         offer += " and answer questions about " + (", ".join(topics[:-1]) + " and " if len(topics) > 1 else "") + \
             topics[-1]
-    return ("Hello! " if words & GREETINGS else "") + offer + ". What can I do for you?"
+    return hello + offer + ". What can I do for you?"
 
 
 def ground(db: Session, messages: list[dict], settings: Grounding) -> Grounded:
@@ -201,7 +218,7 @@ def ground(db: Session, messages: list[dict], settings: Grounding) -> Grounded:
         lookups.append(by_email(db, owner))
     if lookups:   # a message about orders gets their facts alone: an article beside them confuses a small model
         return Grounded(lookups)
-    reply = small_talk(db, text)
+    reply = small_talk(db, text, settings.contact)
     if reply is not None:
         return Grounded([], reply)
     article = help_lookup(db, text, settings.contact)

@@ -47,6 +47,8 @@ class Case:
     dont_know: bool = False         # the last answer must say it does not know, and how to reach a person
     offers: bool = False            # small talk: the last answer must say what the assistant can help with
     welcome: bool = False           # a thank-you or goodbye: the last answer must say "you're welcome" or so
+    asks_number: bool = False       # an order asked about without its number: the answer must ask for it
+    contact: bool = False           # a person asked for: the answer must say how to reach one
     allowed: tuple[str, ...] = ()   # order numbers whose details may appear; every other order's must not
     held_out: bool = False          # kept out of the tests, so the checks are not tuned to it
 
@@ -89,6 +91,8 @@ CASES = (
     Case("greeting, longer", ("Hello there, good morning!",), offers=True),
     Case("help, nothing asked yet", ("Can you help me?",), offers=True),
     Case("thanks and goodbye", ("Thanks, bye!",), welcome=True),
+    Case("order without its number", ("Where is my order?",), asks_number=True),
+    Case("a person asked for", ("I want to talk to a human",), contact=True),
     # Held out: worded apart from the ones above, never run by the tests.
     Case("held: order returned", ("Hello! Could you tell me where order NW-10046 is at the moment?",),
          status="returned", allowed=("NW-10046",), held_out=True),
@@ -110,6 +114,8 @@ CASES = (
     Case("held: damaged", ("The teapot I got is cracked. Can I get a replacement?",), figures=("14 days",),
          held_out=True),
     Case("held: warranty", ("My kettle stopped working after a year",), figures=("2-year warranty",), held_out=True),
+    Case("held: parcel without its number", ("hi, has my parcel been sent yet?",), asks_number=True, held_out=True),
+    Case("held: a person asked for", ("can I speak to a real person please",), contact=True, held_out=True),
 )
 
 
@@ -161,6 +167,10 @@ def checks(case: Case, text: str, finish_reason: str, sources: str = "") -> dict
         out["offers help"] = bool(OFFERS.search(text)) and not DONT_KNOW.search(text)
     if case.welcome:
         out["welcome"] = bool(WELCOME.search(text)) and not DONT_KNOW.search(text)
+    if case.asks_number:
+        out["asks for the number"] = "order number" in text and not DONT_KNOW.search(text)
+    if case.contact:
+        out["contact"] = CONTACT in text and not DONT_KNOW.search(text)
     return out
 
 
@@ -224,8 +234,8 @@ def run_all(engine, sessions, cases: list[Case], mode: str, params, seed: int, w
 
 def summary(answered: list[Answered]) -> dict[str, str]:
     """Per check: passed/applicable."""
-    names = ["status", "not found", "figures", "don't know", "offers help", "welcome", "no leak", "no invented number",
-             "no loop", "within limit"]
+    names = ["status", "not found", "figures", "don't know", "offers help", "welcome", "asks for the number", "contact",
+             "no leak", "no invented number", "no loop", "within limit"]
     out = {}
     for name in names:
         results = [a.result[name] for a in answered if name in a.result]
@@ -304,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
           f"DRY multiplier {args.dry_multiplier}, "
           f"database {sql.dialect.name}")
     header = ["model", "weights", "mode", "set", "status", "not found", "figures", "don't know", "offers help",
-              "welcome", "no leak", "no invented number", "no loop", "within limit", "all", "tokens"]
+              "welcome", "asks for the number", "contact", "no leak", "no invented number", "no loop", "within limit",
+              "all", "tokens"]
     print(" | ".join(header))
     for model in models:
         for weights in args.weights.split(","):

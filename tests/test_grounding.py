@@ -164,7 +164,8 @@ def test_an_order_asked_about_without_its_number_or_email_gets_asked_for_them(se
     assert g.reply.startswith("Hello! ") == message.startswith("hi")
 
 
-@pytest.mark.parametrize("message", ["I want to talk to a human", "How do I contact you?", "Can I speak to someone?"])
+@pytest.mark.parametrize("message", ["I want to talk to a human", "How do I contact you?", "Can I speak to someone?",
+                                     "what's your phone number?"])
 def test_a_person_asked_for_gets_how_to_reach_one(sessions, message):
     g = grounded(sessions, message)
     assert g.lookups == [] and g.reply == f"To reach a person, {grounding.DEFAULT_CONTACT}."

@@ -40,9 +40,9 @@ CLOSINGS = frozenset("great perfect awesome cool nice lovely wonderful helpful a
 ORDER_NOUNS = frozenset("order orders parcel parcels package packages shipment".split())
 ORDER_WORDS = ORDER_NOUNS | frozenset("track tracking status arrived arrive come coming yet shipped sent".split())
 # A person asked for ("I want to talk to a human"): the reply says how to reach one (SUPPORT_CONTACT).
-PERSON_NOUNS = frozenset("human person agent someone somebody staff representative people operator manager "
+PERSON_NOUNS = frozenset("human person agent someone somebody staff representative people operator manager phone "
                          "contact".split())
-PERSON_WORDS = PERSON_NOUNS | frozenset("talk speak reach real live call phone chat".split())
+PERSON_WORDS = PERSON_NOUNS | frozenset("talk speak reach real live call chat".split())
 # Help articles whose titles small talk names as what the assistant can answer.
 MAX_TOPICS = 8
 STATUS_WORDS = {"processing": "is being processed and has not shipped yet", "shipped": "has shipped",

@@ -150,6 +150,24 @@ def test_small_talk_gets_the_workers_reply_naming_what_it_can_help_with(sessions
     assert g.stored() == []
 
 
+def test_small_talks_reply_names_the_shops_own_articles_as_they_are(sessions):
+    """An operator's help centre, not the demo's: its titles as written (an acronym keeps its capitals), and with no
+    article at all, orders alone."""
+    with sessions() as db:
+        for a in help_centre.DEMO_ARTICLES:
+            help_centre.remove(db, a.slug)
+        help_centre.add(db, "vat", "VAT invoices", "Every order comes with a VAT invoice.", "By e-mail.")
+        help_centre.add(db, "care", "Caring for stoneware", "Stoneware is dishwasher safe.", "Avoid the oven.")
+    reply = grounded(sessions, "hello").reply
+    assert reply.endswith("and answer questions about VAT invoices and caring for stoneware. What can I do for you?")
+    with sessions() as db:
+        help_centre.remove(db, "vat")
+        help_centre.remove(db, "care")
+    assert grounded(sessions, "hello").reply == (
+        f"Hello! I can look up your orders (give me the order number, like {EXAMPLE_NUMBER}, or the e-mail address "
+        "you ordered with). What can I do for you?")
+
+
 @pytest.mark.parametrize("message", ["Thanks, bye!", "thank you, that's all I needed", "Cheers"])
 def test_a_thank_you_or_goodbye_is_answered_as_one(sessions, message):
     g = grounded(sessions, "Where is NW-10043?", message)

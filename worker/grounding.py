@@ -196,7 +196,8 @@ def small_talk(db: Session, text: str, contact: str) -> str | None:
 
 def ground(db: Session, messages: list[dict], settings: Grounding) -> Grounded:
     """The lookups a conversation's newest message calls for: its order numbers (the first MAX_ORDERS), else the
-    orders of the e-mail it gives; without either, the help article it asks about, or a "no article" result."""
+    orders of the e-mail it gives; without either, small talk's reply (no lookup), else the help article it asks
+    about, or a "no article" result."""
     text, addresses = customer(messages)
     owner = addresses[0] if addresses else None   # the conversation's customer: the first address they gave
     lookups: list[Lookup] = []

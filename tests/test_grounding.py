@@ -274,6 +274,48 @@ def test_after_the_lead_the_models_first_line_ends_the_answer(sessions, tiny, mo
         assert "\n" in relay.text and done.finish_reason == "length"
 
 
+def test_after_the_lead_the_models_first_sentence_ends_the_answer_with_its_mark(sessions, tiny, monkeypatch):
+    """What the model writes after the facts ends at its first sentence's end, the mark kept (written back after
+    the stop), and at LEAD_TOKENS tokens. The tiny model's own greedy text stands in for a sentence: a piece of it
+    is made the sentence end."""
+    import queue
+    from types import SimpleNamespace
+
+    from worker import assistant
+    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    model, tok = tiny
+    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
+    with sessions() as db:
+        grounded = ground(db, messages, SETTINGS)
+
+    def answer(rid: str) -> tuple[str, object]:
+        relay = assistant.Relay(queue.Queue(), rid)
+        done = assistant.converse(SimpleNamespace(engine=engine), {"request_id": rid, "messages": messages}, [],
+                                  SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), None, relay,
+                                  lambda: False, grounded, lead=True)
+        assert relay.text.startswith(grounded.lead + " ") and done.text == relay.text
+        return relay.text[len(grounded.lead) + 1:], done
+
+    try:
+        monkeypatch.setattr(assistant, "LEAD_STOPS", ())
+        monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
+        free, done = answer("r1")
+        assert done.finish_reason == "length" and len(free) > 4
+        end = free[3:5]   # a "sentence end" the model writes after some text of its own
+        monkeypatch.setattr(assistant, "SENTENCE_ENDS", (end,))
+        written, done = answer("r2")
+        assert written == free[:free.index(end)] + end and done.finish_reason == "stop", (free, written)
+        assert done.completion_tokens < 12
+        monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
+        monkeypatch.setattr(assistant, "LEAD_TOKENS", 3)
+        short, done = answer("r3")
+        assert done.finish_reason == "length" and done.completion_tokens == 3 and free.startswith(short)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("banned", [True, False])
 def test_after_the_lead_the_model_writes_no_number_of_its_own(sessions, tiny, monkeypatch, banned):
     """A model that would write digits after the facts (forced here by a logit bias on every digit token): with the

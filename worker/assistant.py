@@ -33,6 +33,12 @@ CALL_TOKENS = 128
 # After a lead, the model's line ends the answer: past it, a small model wanders (more dates, tool syntax copied
 # from its prompt; bench.answers).
 LEAD_STOPS = ("\n", "<tool")
+# ...and so does its first sentence, at most LEAD_TOKENS long: the default model mostly ends right after the lead,
+# and where it goes on, a second sentence was more invention than the first (a 255-token "...the magic box that has
+# been made for you to have magic..." after a broken mug's policy; an invented phone "number" after a not-found
+# order). The sentence's own mark is written back after the stop (stop strings are left out of the text).
+SENTENCE_ENDS = (". ", "! ", "? ")
+LEAD_TOKENS = 64
 # After a lead, no token that writes a digit (OpenAI's -100, a ban): the lead states every figure the lookups
 # returned, and a number the model wrote after it would be its own invention (bench.answers: dates such as
 # "2026-20-24" after an order's status).
@@ -164,7 +170,9 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
         if opening:
             relay.write(opening)
             ids, lead_text = ids + lead_ids, ""
-            params = without_numbers(replace(params, stop=(*params.stop, *LEAD_STOPS)), rt.engine.tokenizer)
+            params = without_numbers(replace(params, stop=(*params.stop, *LEAD_STOPS, *SENTENCE_ENDS),
+                                             max_new_tokens=min(params.max_new_tokens, LEAD_TOKENS)),
+                                     rt.engine.tokenizer)
         # The request's own id, one generation at a time, so a cancel reaches whichever is running.
         stream = continuation.submit(rt.engine, rid, ids, [continued] if continued else None, params=params,
                                      arrival_time=job.get("enqueued_at"), service_class=service_class(job))
@@ -180,6 +188,8 @@ def converse(rt: WorkerRuntime, job: dict, tools: list[Tool], base: SamplingPara
                 last = event
         if tools:
             seen |= relay.send(parser.finish())
+        if opening and last.stop_reason in SENTENCE_ENDS:   # the model's sentence keeps its full stop
+            relay.write(last.stop_reason.rstrip())
         rounds.append(last)
         if seen and visible_from is None:
             visible_from = last

@@ -240,113 +240,102 @@ def test_operators_add_edit_search_and_remove_articles_from_the_command_line(ses
     assert run(["seed"]) == 0 and "0 added" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("stops", [True, False])
-def test_after_the_lead_the_models_first_line_ends_the_answer(sessions, tiny, monkeypatch, stops):
-    """A model that would write newlines after the facts (forced here by a logit bias): the answer is the lead, as
-    the customer saw it stream, and nothing the model writes past its line; without LEAD_STOPS it would go on."""
+def lead_answer(sessions, engine, params, rid: str = "r1"):
+    """A grounded answer to "Where is NW-10043?" on `engine` through the assistant's own code, its lead first: the
+    lookups, the relay (and the events it sent) and the answer's end."""
     import queue
     from types import SimpleNamespace
 
     from worker import assistant
-    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+
+    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
+    with sessions() as db:
+        grounded = ground(db, messages, SETTINGS)
+    outbox: queue.Queue = queue.Queue()
+    relay = assistant.Relay(outbox, rid)
+    done = assistant.converse(SimpleNamespace(engine=engine), {"request_id": rid, "messages": messages}, [], params,
+                              None, relay, lambda: False, grounded, lead=True)
+    assert relay.text.startswith(grounded.lead + " ") and done.text == relay.text
+    return grounded, relay, done, outbox
+
+
+@pytest.fixture()
+def tiny_engine(tiny):
+    from worker.engine import EngineConfig, LLMEngine
+
+    model, tok = tiny
+    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize("stops", [True, False])
+def test_after_the_lead_the_models_first_line_ends_the_answer(sessions, tiny, tiny_engine, monkeypatch, stops):
+    """A model that would write newlines after the facts (forced here by a logit bias): the answer is the lead, as
+    the customer saw it stream, and nothing the model writes past its line; without LEAD_STOPS it would go on."""
+    from worker import assistant
+    from worker.engine import SamplingParams
 
     if not stops:
         monkeypatch.setattr(assistant, "LEAD_STOPS", ())
-    model, tok = tiny
-    newline = tok("\n", add_special_tokens=False)["input_ids"][-1]
-    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
-    try:
-        messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
-        with sessions() as db:
-            grounded = ground(db, messages, SETTINGS)
-        outbox: queue.Queue = queue.Queue()
-        relay = assistant.Relay(outbox, "r1")
-        done = assistant.converse(SimpleNamespace(engine=engine), {"request_id": "r1", "messages": messages}, [],
-                                  SamplingParams(temperature=0, max_new_tokens=8, logit_bias={newline: 100.0}),
-                                  None, relay, lambda: False, grounded, lead=True)
-    finally:
-        engine.shutdown()
+    newline = tiny[1]("\n", add_special_tokens=False)["input_ids"][-1]
+    grounded, relay, done, outbox = lead_answer(sessions, tiny_engine, SamplingParams(
+        temperature=0, max_new_tokens=8, logit_bias={newline: 100.0}))
     shown = "".join(e.text for events in outbox.queue for e in events if hasattr(e, "text") and e is not done)
-    assert relay.text.startswith(grounded.lead) and shown.startswith(grounded.lead)
+    assert shown.startswith(grounded.lead)
     if stops:
         assert relay.text == grounded.lead + " " and done.finish_reason == "stop"
     else:
         assert "\n" in relay.text and done.finish_reason == "length"
 
 
-def test_after_the_lead_the_models_first_sentence_ends_the_answer_with_its_mark(sessions, tiny, monkeypatch):
+def test_after_the_lead_the_models_first_sentence_ends_the_answer_with_its_mark(sessions, tiny_engine, monkeypatch):
     """What the model writes after the facts ends at its first sentence's end, the mark kept (written back after
     the stop), and at LEAD_TOKENS tokens. The tiny model's own greedy text stands in for a sentence: a piece of it
     is made the sentence end."""
-    import queue
-    from types import SimpleNamespace
-
     from worker import assistant
-    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+    from worker.engine import SamplingParams
 
-    model, tok = tiny
-    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
-    messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
-    with sessions() as db:
-        grounded = ground(db, messages, SETTINGS)
-
-    def answer(rid: str) -> tuple[str, object]:
-        relay = assistant.Relay(queue.Queue(), rid)
-        done = assistant.converse(SimpleNamespace(engine=engine), {"request_id": rid, "messages": messages}, [],
-                                  SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True), None, relay,
-                                  lambda: False, grounded, lead=True)
-        assert relay.text.startswith(grounded.lead + " ") and done.text == relay.text
+    def written(rid: str) -> tuple[str, object]:
+        grounded, relay, done, _ = lead_answer(sessions, tiny_engine, SamplingParams(
+            temperature=0, max_new_tokens=12, ignore_eos=True), rid)
         return relay.text[len(grounded.lead) + 1:], done
 
-    try:
-        monkeypatch.setattr(assistant, "LEAD_STOPS", ())
-        monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
-        free, done = answer("r1")
-        assert done.finish_reason == "length" and len(free) > 4
-        end = free[3:5]   # a "sentence end" the model writes after some text of its own
-        monkeypatch.setattr(assistant, "SENTENCE_ENDS", (end,))
-        written, done = answer("r2")
-        assert written == free[:free.index(end)] + end and done.finish_reason == "stop", (free, written)
-        assert done.completion_tokens < 12
-        monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
-        monkeypatch.setattr(assistant, "LEAD_TOKENS", 3)
-        short, done = answer("r3")
-        assert done.finish_reason == "length" and done.completion_tokens == 3 and free.startswith(short)
-    finally:
-        engine.shutdown()
+    monkeypatch.setattr(assistant, "LEAD_STOPS", ())
+    monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
+    free, done = written("r1")
+    assert done.finish_reason == "length" and len(free) > 4
+    end = free[3:5]   # a "sentence end" the model writes after some text of its own
+    monkeypatch.setattr(assistant, "SENTENCE_ENDS", (end,))
+    text, done = written("r2")
+    assert text == free[:free.index(end)] + end and done.finish_reason == "stop", (free, text)
+    assert done.completion_tokens < 12
+    monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
+    monkeypatch.setattr(assistant, "LEAD_TOKENS", 3)
+    short, done = written("r3")
+    assert done.finish_reason == "length" and done.completion_tokens == 3 and free.startswith(short)
 
 
 @pytest.mark.parametrize("banned", [True, False])
-def test_after_the_lead_the_model_writes_no_number_of_its_own(sessions, tiny, monkeypatch, banned):
+def test_after_the_lead_the_model_writes_no_number_of_its_own(sessions, tiny, tiny_engine, monkeypatch, banned):
     """A model that would write digits after the facts (forced here by a logit bias on every digit token): with the
     ban it writes none, whatever the request's own bias; without it the answer gains numbers the lookups never
     returned."""
-    import queue
     import re
-    from types import SimpleNamespace
 
     from worker import assistant
-    from worker.engine import EngineConfig, LLMEngine, SamplingParams
+    from worker.engine import SamplingParams
 
-    model, tok = tiny
+    tok = tiny[1]
     digits = assistant.digit_tokens(tok)
     assert {tok.convert_tokens_to_ids(d) for d in "0123456789"} <= digits
     assert all(re.search(r"[0-9]", tok.decode([t])) for t in digits)
     if not banned:
         monkeypatch.setattr(assistant, "without_numbers", lambda params, tokenizer: params)
     monkeypatch.setattr(assistant, "LEAD_STOPS", ())
-    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
-    try:
-        messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": "Where is NW-10043?"}]
-        with sessions() as db:
-            grounded = ground(db, messages, SETTINGS)
-        relay = assistant.Relay(queue.Queue(), "r1")
-        assistant.converse(SimpleNamespace(engine=engine), {"request_id": "r1", "messages": messages}, [],
-                           SamplingParams(temperature=0, max_new_tokens=8, logit_bias={t: 100.0 for t in digits}),
-                           None, relay, lambda: False, grounded, lead=True)
-    finally:
-        engine.shutdown()
-    assert relay.text.startswith(grounded.lead + " ")
+    monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
+    grounded, relay, _, _ = lead_answer(sessions, tiny_engine, SamplingParams(
+        temperature=0, max_new_tokens=8, logit_bias={t: 100.0 for t in digits}))
     written = relay.text[len(grounded.lead) + 1:]
     assert written and bool(re.search(r"\d", written)) is not banned
 

@@ -340,7 +340,7 @@ def test_after_the_lead_the_model_writes_no_number_of_its_own(sessions, tiny, ti
     assert written and bool(re.search(r"\d", written)) is not banned
 
 
-def test_a_grounded_answer_handed_back_goes_on_from_the_lead_and_tokens_the_customer_saw(sessions, tiny,
+def test_a_grounded_answer_handed_back_goes_on_from_the_lead_and_tokens_the_customer_saw(sessions, tiny_engine,
                                                                                          monkeypatch):
     """A redelivery of a lead answer (worker/continuation.py): with the same facts it ends as the whole answer
     did; with other facts (the order changed meanwhile) it still starts with the lead and text already shown."""
@@ -348,11 +348,10 @@ def test_a_grounded_answer_handed_back_goes_on_from_the_lead_and_tokens_the_cust
     from types import SimpleNamespace
 
     from worker import assistant, continuation
-    from worker.engine import EngineConfig, LLMEngine, SamplingParams, TokenDelta
+    from worker.engine import SamplingParams, TokenDelta
 
     monkeypatch.setattr(assistant, "LEAD_STOPS", ())   # a long answer from the random model
-    model, tok = tiny
-    engine = LLMEngine.launch(lambda: LLMEngine(model, tok, EngineConfig(max_num_seqs=2, num_blocks=64)))
+    monkeypatch.setattr(assistant, "SENTENCE_ENDS", ())
 
     def answer(order: str, shown: continuation.Shown | None = None) -> tuple[str, list[TokenDelta]]:
         messages = [{"role": "system", "content": "You help."}, {"role": "user", "content": f"Where is {order}?"}]
@@ -360,21 +359,18 @@ def test_a_grounded_answer_handed_back_goes_on_from_the_lead_and_tokens_the_cust
             grounded = ground(db, messages, SETTINGS)
         outbox: queue.Queue = queue.Queue()
         relay = assistant.Relay(outbox, "r1")
-        assistant.converse(SimpleNamespace(engine=engine), {"request_id": "r1", "messages": messages}, [],
+        assistant.converse(SimpleNamespace(engine=tiny_engine), {"request_id": "r1", "messages": messages}, [],
                            SamplingParams(temperature=0, max_new_tokens=24), None, relay, lambda: False, grounded,
                            lead=True, shown=shown)
         return relay.text, [e for events in outbox.queue for e in events if isinstance(e, TokenDelta)]
 
-    try:
-        whole, deltas = answer("NW-10043")
-        sent = deltas[:6]   # the lead and five of the model's deltas reached the customer
-        shown = continuation.Shown.read([continuation.record([(d.text, continuation.tokens_of(d)) for d in sent], 0)],
-                                        sum(len(d.text) for d in sent))
-        assert shown.split_lead()[0] == sent[0].text and sent[0].text.startswith("Order NW-10043")
-        again, _ = answer("NW-10043", shown)
-        other, _ = answer("NW-10042", shown)
-    finally:
-        engine.shutdown()
+    whole, deltas = answer("NW-10043")
+    sent = deltas[:6]   # the lead and five of the model's deltas reached the customer
+    shown = continuation.Shown.read([continuation.record([(d.text, continuation.tokens_of(d)) for d in sent], 0)],
+                                    sum(len(d.text) for d in sent))
+    assert shown.split_lead()[0] == sent[0].text and sent[0].text.startswith("Order NW-10043")
+    again, _ = answer("NW-10043", shown)
+    other, _ = answer("NW-10042", shown)
     assert again == whole
     assert other.startswith(shown.text) and len(other) > len(shown.text)
 

@@ -146,11 +146,9 @@ def by_email(db: Session, email: str) -> Lookup:
                   " ".join(order_sentence(r) for r in found))
 
 
-def help_lookup(db: Session, question: str, contact: str) -> Lookup | None:
-    """The best help article for a question; when none matches, a result saying so and how to reach a person. None
-    when the message asks nothing an article could answer (a greeting, a thank-you)."""
-    if not query_words(question):
-        return None
+def help_lookup(db: Session, question: str, contact: str) -> Lookup:
+    """The best help article for a question; when none matches, a result saying so and how to reach a person (a
+    message with no word to search is small talk's, answered before this)."""
     arguments = {"query": question[:200]}
     found = search(db, question, limit=1)
     if found:
@@ -222,5 +220,4 @@ def ground(db: Session, messages: list[dict], settings: Grounding) -> Grounded:
     reply = small_talk(db, text, settings.contact)
     if reply is not None:
         return Grounded([], reply)
-    article = help_lookup(db, text, settings.contact)
-    return Grounded([article] if article is not None else [])
+    return Grounded([help_lookup(db, text, settings.contact)])
